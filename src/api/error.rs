@@ -1,0 +1,78 @@
+//! The one HTTP mapping of errors: every failure becomes `application/problem+json` with a
+//! stable `code`. Internal details are logged here and never returned.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+
+use crate::problem::Problem;
+use crate::storage::StorageError;
+
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// An error answer.
+#[derive(Debug)]
+pub struct ApiError {
+    pub problem: Problem,
+    pub retry_after_s: Option<u32>,
+}
+
+impl ApiError {
+    pub fn new(status: u16, code: &str, title: &str, detail: impl Into<String>) -> Self {
+        Self { problem: Problem::new(status, code, title, detail), retry_after_s: None }
+    }
+
+    /// A malformed or out-of-range input; `field` names it.
+    pub fn validation(field: &str, detail: impl std::fmt::Display) -> Self {
+        let field = if field.is_empty() || field == "." { "body" } else { field };
+        Self::new(400, "validation_failed", "Validation failed", format!("{field}: {detail}"))
+    }
+
+    pub fn unauthorized() -> Self {
+        Self::new(401, "unauthorized", "Unauthorized", "a valid bearer token is required")
+    }
+
+    pub fn forbidden() -> Self {
+        Self::new(403, "forbidden", "Forbidden", "this key may not perform this operation")
+    }
+
+    pub fn not_found(code: &str, title: &str, detail: impl Into<String>) -> Self {
+        Self::new(404, code, title, detail)
+    }
+
+    pub fn unavailable(detail: &str) -> Self {
+        Self { retry_after_s: Some(1), ..Self::new(503, "unavailable", "Service unavailable", detail) }
+    }
+
+    pub fn internal() -> Self {
+        Self::new(500, "internal", "Internal error", "the request failed; nothing was applied")
+    }
+}
+
+impl From<StorageError> for ApiError {
+    fn from(err: StorageError) -> Self {
+        match err {
+            StorageError::Unavailable(why) => {
+                tracing::warn!(error = %why, "storage unavailable");
+                metrics::counter!("stockd_storage_unavailable_total").increment(1);
+                ApiError::unavailable("storage is unavailable; retry shortly")
+            }
+            StorageError::Internal(why) => {
+                tracing::error!(error = %why, "storage failure");
+                ApiError::internal()
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.problem.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = serde_json::to_string(&self.problem).unwrap_or_else(|_| "{}".into());
+        let mut response =
+            (status, [(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON))], body).into_response();
+        if let Some(seconds) = self.retry_after_s {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}

@@ -1,0 +1,186 @@
+//! Extractors whose rejections speak problem+json: the authenticated tenant or admin, the
+//! `Idempotency-Key` header, and a JSON body that is size-limited, strictly typed (unknown
+//! fields refused, the failing field named) and canonically hashed for idempotency.
+
+use std::fmt::Write as _;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
+use axum::http::{header, Method, StatusCode};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use super::error::ApiError;
+use super::SharedState;
+use crate::auth::{AuthFailure, TenantAuth};
+use crate::engine::IdempotencyKey;
+use crate::storage::IdempotencyRequest;
+
+fn bearer(parts: &Parts) -> Option<&str> {
+    let value = parts.headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token.trim()).filter(|t| !t.is_empty())
+}
+
+/// The tenant a request's API key belongs to.
+pub struct Tenant(pub TenantAuth);
+
+impl FromRequestParts<SharedState> for Tenant {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &SharedState) -> Result<Self, Self::Rejection> {
+        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
+        match state.auth.tenant(&state.storage, token).await {
+            Ok(auth) => Ok(Tenant(auth)),
+            Err(AuthFailure::Invalid) => Err(ApiError::unauthorized()),
+            Err(AuthFailure::Storage(err)) => Err(err.into()),
+        }
+    }
+}
+
+/// Proof that a request carries the admin token.
+pub struct Admin;
+
+impl FromRequestParts<SharedState> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &SharedState) -> Result<Self, Self::Rejection> {
+        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
+        if state.auth.is_admin(token) {
+            return Ok(Admin);
+        }
+        // A valid tenant key is authenticated but not allowed here.
+        match state.auth.tenant(&state.storage, token).await {
+            Ok(_) => Err(ApiError::forbidden()),
+            Err(AuthFailure::Invalid) => Err(ApiError::unauthorized()),
+            Err(AuthFailure::Storage(err)) => Err(err.into()),
+        }
+    }
+}
+
+/// The required `Idempotency-Key` header.
+pub struct IdemKey(pub IdempotencyKey);
+
+impl<S: Send + Sync> FromRequestParts<S> for IdemKey {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let value = parts.headers.get("idempotency-key").ok_or_else(|| {
+            ApiError::new(
+                400,
+                "idempotency_key_missing",
+                "Idempotency-Key missing",
+                "this call requires an Idempotency-Key header",
+            )
+        })?;
+        let text = value.to_str().map_err(|_| ApiError::validation("Idempotency-Key", "must be visible ASCII"))?;
+        IdempotencyKey::parse(text).map(IdemKey).map_err(|e| ApiError::validation("Idempotency-Key", e))
+    }
+}
+
+/// A strictly parsed JSON body, plus the hash that identifies the request for idempotency.
+pub struct ValidJson<T> {
+    pub value: T,
+    /// SHA-256 over method, path and the canonical (key-sorted, whitespace-free) body.
+    pub request_hash: String,
+}
+
+impl<T> ValidJson<T> {
+    pub fn idempotency(&self, key: IdempotencyKey) -> IdempotencyRequest {
+        IdempotencyRequest { key, request_hash: self.request_hash.clone() }
+    }
+}
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ValidJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let is_json = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"));
+        if !is_json {
+            return Err(ApiError::new(
+                415,
+                "unsupported_media_type",
+                "Unsupported media type",
+                "the body must be application/json",
+            ));
+        }
+        let method = req.method().clone();
+        let path = req.uri().path().to_string();
+        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::new(413, "payload_too_large", "Payload too large", "the body exceeds the configured limit")
+            } else {
+                ApiError::validation("body", "could not be read")
+            }
+        })?;
+        let json: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::validation("body", format!("malformed JSON ({e})")))?;
+        let value = serde_path_to_error::deserialize(&json).map_err(|e| {
+            let path = e.path().to_string();
+            ApiError::validation(&path, e.into_inner())
+        })?;
+        Ok(Self { value, request_hash: request_hash(&method, &path, &json) })
+    }
+}
+
+/// Identity of a request for idempotency: the same method, path and JSON value (whatever its
+/// key order or whitespace) hash the same.
+pub fn request_hash(method: &Method, path: &str, body: &Value) -> String {
+    let mut canonical = String::with_capacity(256);
+    let _ = write!(canonical, "{method}\n{path}\n");
+    write_canonical(body, &mut canonical);
+    hex::encode(Sha256::digest(canonical.as_bytes()))
+}
+
+fn write_canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(b.0));
+            out.push('{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push(':');
+                write_canonical(v, out);
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(v, out);
+            }
+            out.push(']');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_order_and_whitespace_do_not_change_the_request_hash() {
+        let a: Value = serde_json::from_str(r#"{"b": 1, "a": {"y": [1, 2], "x": "s"}}"#).unwrap_or_default();
+        let b: Value = serde_json::from_str(r#"{"a":{"x":"s","y":[1,2]},"b":1}"#).unwrap_or_default();
+        let c: Value = serde_json::from_str(r#"{"a":{"x":"s","y":[2,1]},"b":1}"#).unwrap_or_default();
+        let h = |v: &Value| request_hash(&Method::POST, "/v1/orders", v);
+        assert_eq!(h(&a), h(&b));
+        assert_ne!(h(&a), h(&c));
+        assert_ne!(h(&a), request_hash(&Method::POST, "/v1/other", &a));
+    }
+}

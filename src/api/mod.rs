@@ -1,0 +1,128 @@
+//! The REST API (`../shared/API.md` is the contract): routers by feature, one error mapping,
+//! strict extractors, request metrics and timeouts, and the generated OpenAPI document.
+
+pub mod admin;
+pub mod docs;
+pub mod error;
+pub mod extract;
+pub mod ops;
+pub mod orders;
+pub mod reservations;
+pub mod resources;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tower_http::catch_panic::CatchPanicLayer;
+
+use self::error::ApiError;
+use crate::auth::Authenticator;
+use crate::engine::Planner;
+use crate::storage::{ContentType, Idempotent, Storage, StoredResponse};
+
+/// Limits and defaults the handlers apply.
+#[derive(Debug, Clone)]
+pub struct ApiSettings {
+    pub body_limit_bytes: usize,
+    pub request_timeout: Duration,
+    pub max_lines: usize,
+    pub default_ttl_seconds: i64,
+}
+
+/// Everything a handler needs.
+pub struct AppState {
+    pub storage: Arc<dyn Storage>,
+    pub auth: Authenticator,
+    pub planner: Arc<dyn Planner>,
+    pub settings: ApiSettings,
+    pub metrics: Option<PrometheusHandle>,
+}
+
+pub type SharedState = Arc<AppState>;
+
+/// The whole HTTP application.
+pub fn router(state: SharedState) -> Router {
+    let body_limit = state.settings.body_limit_bytes;
+    Router::new()
+        .merge(ops::routes())
+        .merge(admin::routes())
+        .merge(resources::routes())
+        .merge(orders::routes())
+        .merge(reservations::routes())
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .layer(CatchPanicLayer::custom(|_| {
+            metrics::counter!("stockd_panics_total").increment(1);
+            ApiError::internal().into_response()
+        }))
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::not_found("not_found", "Not found", "no such route")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(405, "method_not_allowed", "Method not allowed", "this route does not take that method")
+}
+
+/// Counts and times every request by route and status, and bounds its duration.
+async fn observe(State(state): State<SharedState>, request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = request.method().as_str().to_string();
+    let route =
+        request.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "unmatched".into());
+    let response = match tokio::time::timeout(state.settings.request_timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => {
+            ApiError::unavailable("the request took too long; retry with the same Idempotency-Key").into_response()
+        }
+    };
+    let status = response.status().as_u16().to_string();
+    metrics::counter!("stockd_http_requests_total", "method" => method.clone(), "route" => route.clone(), "status" => status)
+        .increment(1);
+    metrics::histogram!("stockd_http_request_duration_seconds", "method" => method, "route" => route)
+        .record(started.elapsed().as_secs_f64());
+    response
+}
+
+/// Turns a stored (or fresh) idempotent response into HTTP, byte for byte.
+pub fn stored_response(response: StoredResponse, replayed: bool) -> Response {
+    let status = StatusCode::from_u16(response.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let content_type = match response.content_type {
+        ContentType::Json => "application/json",
+        ContentType::Problem => error::PROBLEM_JSON,
+    };
+    let mut http =
+        (status, [(header::CONTENT_TYPE, HeaderValue::from_static(content_type))], response.body).into_response();
+    if replayed {
+        http.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    http
+}
+
+/// The common answer for an idempotent call's outcome.
+pub fn idempotent_response(outcome: Idempotent) -> Response {
+    match outcome {
+        Idempotent::Fresh(r) => stored_response(r, false),
+        Idempotent::Replayed(r) => {
+            metrics::counter!("stockd_idempotent_replays_total").increment(1);
+            stored_response(r, true)
+        }
+        Idempotent::Mismatch => ApiError::new(
+            422,
+            "idempotency_key_mismatch",
+            "Idempotency key reused",
+            "this Idempotency-Key was used for a different request; nothing was applied",
+        )
+        .into_response(),
+    }
+}

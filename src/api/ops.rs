@@ -1,0 +1,52 @@
+//! Operations endpoints: liveness, readiness, Prometheus metrics, the OpenAPI document.
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::json;
+use utoipa::OpenApi;
+
+use super::error::ApiError;
+use super::SharedState;
+
+pub fn routes() -> Router<SharedState> {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi))
+}
+
+/// The process is up.
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "alive")))]
+pub async fn healthz() -> Response {
+    // A static body: this is the HTTP stack's ceiling in benchmarks, so it does no work.
+    ([(header::CONTENT_TYPE, "application/json")], r#"{"status":"ok"}"#).into_response()
+}
+
+/// Storage is reachable and migrated.
+#[utoipa::path(get, path = "/readyz", tag = "operations", responses(
+    (status = 200, description = "ready"),
+    (status = 503, description = "storage unreachable", body = crate::problem::Problem, content_type = "application/problem+json"),
+))]
+pub async fn readyz(State(state): State<SharedState>) -> Result<Json<serde_json::Value>, ApiError> {
+    state.storage.ready().await?;
+    Ok(Json(json!({"status": "ready"})))
+}
+
+/// Prometheus text exposition.
+#[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
+pub async fn metrics_text(State(state): State<SharedState>) -> Response {
+    match &state.metrics {
+        Some(handle) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response(),
+        None => (StatusCode::NOT_FOUND, "metrics recorder not installed").into_response(),
+    }
+}
+
+/// This document.
+#[utoipa::path(get, path = "/openapi.json", tag = "operations", responses((status = 200, description = "OpenAPI 3 document")))]
+pub async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(super::docs::ApiDoc::openapi())
+}

@@ -1,0 +1,116 @@
+//! Reservations: read, confirm, release. Confirm and release take no body: the reservation id
+//! and the action are their identity, so repeating one is harmless.
+
+use axum::extract::{Path, State};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+
+use super::error::ApiError;
+use super::extract::Tenant;
+use super::SharedState;
+use crate::engine::{Reconciliation, Reservation, ReservationState};
+use crate::storage::Transition;
+use crate::time::now_ms;
+
+/// Reservation ids are `rsv_` + a ULID; anything much longer cannot exist.
+const MAX_ID_LEN: usize = 64;
+
+pub fn routes() -> Router<SharedState> {
+    Router::new()
+        .route("/v1/reservations/{id}", get(get_reservation))
+        .route("/v1/reservations/{id}/confirm", post(confirm))
+        .route("/v1/reservations/{id}/release", post(release))
+        .route("/v1/reconciliation", get(reconciliation))
+}
+
+fn not_found() -> ApiError {
+    ApiError::not_found("reservation_not_found", "Reservation not found", "no such reservation")
+}
+
+fn checked_id(id: &str) -> Result<&str, ApiError> {
+    if id.is_empty() || id.len() > MAX_ID_LEN {
+        Err(not_found())
+    } else {
+        Ok(id)
+    }
+}
+
+fn answer(transition: Transition) -> Result<Json<Reservation>, ApiError> {
+    match transition {
+        Transition::Done(reservation) => Ok(Json(reservation)),
+        Transition::NotFound => Err(not_found()),
+        Transition::Refused(state, reservation) => {
+            let (code, title) = match state {
+                ReservationState::Released => ("reservation_released", "Reservation released"),
+                ReservationState::Expired => ("reservation_expired", "Reservation expired"),
+                ReservationState::Confirmed => ("reservation_confirmed", "Reservation confirmed"),
+                ReservationState::Held => ("reservation_held", "Reservation held"),
+            };
+            Err(ApiError::new(409, code, title, format!("reservation {} is {}", reservation.id, state)))
+        }
+    }
+}
+
+/// A reservation and its state.
+#[utoipa::path(get, path = "/v1/reservations/{id}", tag = "reservations", security(("api_key" = [])),
+    params(("id" = String, Path)),
+    responses(
+        (status = 200, body = Reservation),
+        (status = 404, description = "reservation_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn get_reservation(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+    Path(id): Path<String>,
+) -> Result<Json<Reservation>, ApiError> {
+    let id = checked_id(&id)?;
+    state.storage.get_reservation(&auth.tenant, id).await?.map(Json).ok_or_else(not_found)
+}
+
+/// Held → confirmed (reserved → consumed). Again on a confirmed one: the same 200.
+#[utoipa::path(post, path = "/v1/reservations/{id}/confirm", tag = "reservations", security(("api_key" = [])),
+    params(("id" = String, Path)),
+    responses(
+        (status = 200, body = Reservation),
+        (status = 404, description = "reservation_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "reservation_released / reservation_expired", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn confirm(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+    Path(id): Path<String>,
+) -> Result<Json<Reservation>, ApiError> {
+    let id = checked_id(&id)?;
+    answer(state.storage.confirm_reservation(&auth.tenant, id, now_ms()).await?)
+}
+
+/// Held → released (reserved → available). Again, or on an expired one: 200 with its state.
+#[utoipa::path(post, path = "/v1/reservations/{id}/release", tag = "reservations", security(("api_key" = [])),
+    params(("id" = String, Path)),
+    responses(
+        (status = 200, body = Reservation),
+        (status = 404, description = "reservation_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "reservation_confirmed", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn release(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+    Path(id): Path<String>,
+) -> Result<Json<Reservation>, ApiError> {
+    let id = checked_id(&id)?;
+    answer(state.storage.release_reservation(&auth.tenant, id, now_ms()).await?)
+}
+
+/// Proves, for each of the tenant's resources, state == opening balance + ledger.
+#[utoipa::path(get, path = "/v1/reconciliation", tag = "reconciliation", security(("api_key" = [])),
+    responses((status = 200, body = Reconciliation)))]
+pub async fn reconciliation(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+) -> Result<Json<Reconciliation>, ApiError> {
+    let report = state.storage.reconcile(Some(&auth.tenant)).await?;
+    if !report.drift.is_empty() {
+        tracing::error!(tenant = %auth.tenant, resources = report.drift.len(), "reconciliation found drift");
+    }
+    Ok(Json(report))
+}

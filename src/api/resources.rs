@@ -1,0 +1,282 @@
+//! Resources: create, read, list, activate/deactivate, adjust (idempotent), ledger pages.
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use super::error::ApiError;
+use super::extract::{IdemKey, Tenant, ValidJson};
+use super::{idempotent_response, SharedState};
+use crate::engine::{Kind, LedgerEntry, Mode, ResourceKey, ResourceState, ResourceStatus, MAX_LINE_QTY, MAX_TOTAL};
+use crate::storage::{AdjustRefusal, NewResource};
+use crate::time::now_ms;
+
+const DEFAULT_PAGE: u32 = 100;
+const MAX_PAGE: u32 = 1000;
+
+pub fn routes() -> Router<SharedState> {
+    Router::new()
+        .route("/v1/resources", post(create_resource).get(list_resources))
+        .route("/v1/resources/{key}", get(get_resource).patch(patch_resource))
+        .route("/v1/resources/{key}/adjustments", post(adjust))
+        .route("/v1/resources/{key}/ledger", get(ledger))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateResource {
+    pub key: ResourceKey,
+    pub kind: Kind,
+    /// Opening total, 0..=10^15, in the smallest unit.
+    pub total: i64,
+    /// Number of bucket rows; this server supports 1.
+    #[serde(default)]
+    pub buckets: Option<i64>,
+    /// Deduction path; this server supports "db".
+    #[serde(default)]
+    pub mode: Option<Mode>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PatchResource {
+    #[serde(default)]
+    pub status: Option<ResourceStatus>,
+    #[serde(default)]
+    pub buckets: Option<i64>,
+    #[serde(default)]
+    pub mode: Option<Mode>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Adjustment {
+    /// Restock (+) or write-off (−); non-zero, |delta| <= 10^12.
+    pub delta: i64,
+    /// Free text for the operator, up to 200 characters.
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ListParams {
+    /// Only keys starting with this.
+    pub prefix: Option<String>,
+    /// Exclusive cursor: the last key of the previous page.
+    pub after: Option<String>,
+    /// 1..=1000, default 100.
+    pub limit: Option<u32>,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct LedgerParams {
+    /// Exclusive cursor: the last `seq` of the previous page.
+    pub after: Option<String>,
+    /// 1..=1000, default 100.
+    pub limit: Option<u32>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ResourcePage {
+    pub items: Vec<ResourceState>,
+    pub next_after: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LedgerPage {
+    pub items: Vec<LedgerEntry>,
+    pub next_after: Option<String>,
+}
+
+pub fn resource_not_found(key: &str) -> ApiError {
+    ApiError::not_found("resource_not_found", "Resource not found", format!("no resource {key}"))
+}
+
+/// A key from the path. A key that could never exist is simply not found.
+fn path_key(key: &str) -> Result<ResourceKey, ApiError> {
+    ResourceKey::parse(key).map_err(|e| ApiError::validation("key", e))
+}
+
+fn page_limit(limit: Option<u32>) -> Result<u32, ApiError> {
+    match limit.unwrap_or(DEFAULT_PAGE) {
+        n @ 1..=MAX_PAGE => Ok(n),
+        _ => Err(ApiError::validation("limit", format!("must be between 1 and {MAX_PAGE}"))),
+    }
+}
+
+fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
+    q.map(|Query(v)| v).map_err(|e| ApiError::validation("query", e.body_text()))
+}
+
+fn only_supported(buckets: Option<i64>, mode: Option<Mode>) -> Result<(), ApiError> {
+    if buckets.is_some_and(|b| b != 1) {
+        return Err(ApiError::validation("buckets", "only 1 is supported by this server"));
+    }
+    if mode.is_some_and(|m| m != Mode::Db) {
+        return Err(ApiError::validation("mode", "only \"db\" is supported by this server"));
+    }
+    Ok(())
+}
+
+/// Creates a resource with its opening total (ledger op `create`).
+#[utoipa::path(post, path = "/v1/resources", tag = "resources", request_body = CreateResource,
+    security(("api_key" = [])),
+    responses(
+        (status = 201, body = ResourceState),
+        (status = 400, body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "resource_exists", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn create_resource(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+    body: ValidJson<CreateResource>,
+) -> Result<Response, ApiError> {
+    let req = body.value;
+    if !(0..=MAX_TOTAL).contains(&req.total) {
+        return Err(ApiError::validation("total", format!("must be between 0 and {MAX_TOTAL}")));
+    }
+    only_supported(req.buckets, req.mode)?;
+    let new = NewResource { key: req.key, kind: req.kind, total: req.total };
+    match state.storage.create_resource(&auth.tenant, &new, now_ms()).await? {
+        Some(created) => Ok((StatusCode::CREATED, Json(created)).into_response()),
+        None => Err(ApiError::new(
+            409,
+            "resource_exists",
+            "Resource exists",
+            format!("resource {} already exists", new.key),
+        )),
+    }
+}
+
+/// A resource's state.
+#[utoipa::path(get, path = "/v1/resources/{key}", tag = "resources", security(("api_key" = [])),
+    params(("key" = String, Path)),
+    responses(
+        (status = 200, body = ResourceState),
+        (status = 404, description = "resource_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn get_resource(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+    Path(key): Path<String>,
+) -> Result<Json<ResourceState>, ApiError> {
+    let key = path_key(&key)?;
+    let found = state.storage.get_resource(&auth.tenant, &key).await?;
+    found.map(Json).ok_or_else(|| resource_not_found(key.as_str()))
+}
+
+/// A page of resources ordered by key.
+#[utoipa::path(get, path = "/v1/resources", tag = "resources", security(("api_key" = [])),
+    params(ListParams), responses((status = 200, body = ResourcePage)))]
+pub async fn list_resources(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+    params: Result<Query<ListParams>, QueryRejection>,
+) -> Result<Json<ResourcePage>, ApiError> {
+    let params = query(params)?;
+    let limit = page_limit(params.limit)?;
+    let key_like = |field: &str, v: &Option<String>| match v.as_deref() {
+        None | Some("") => Ok(None),
+        Some(s) => ResourceKey::parse(s).map(|_| Some(s.to_string())).map_err(|e| ApiError::validation(field, e)),
+    };
+    let prefix = key_like("prefix", &params.prefix)?;
+    let after = key_like("after", &params.after)?;
+    let items = state.storage.list_resources(&auth.tenant, prefix.as_deref(), after.as_deref(), limit).await?;
+    let next_after = (items.len() == limit as usize).then(|| items.last().map(|r| r.key.clone())).flatten();
+    Ok(Json(ResourcePage { items, next_after }))
+}
+
+/// Activates or deactivates a resource.
+#[utoipa::path(patch, path = "/v1/resources/{key}", tag = "resources", request_body = PatchResource,
+    security(("api_key" = [])), params(("key" = String, Path)),
+    responses(
+        (status = 200, body = ResourceState),
+        (status = 404, description = "resource_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn patch_resource(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+    Path(key): Path<String>,
+    body: ValidJson<PatchResource>,
+) -> Result<Json<ResourceState>, ApiError> {
+    let key = path_key(&key)?;
+    let req = body.value;
+    if req.status.is_none() && req.buckets.is_none() && req.mode.is_none() {
+        return Err(ApiError::validation("body", "give at least one of status, buckets, mode"));
+    }
+    only_supported(req.buckets, req.mode)?;
+    let updated = match req.status {
+        Some(status) => state.storage.set_resource_status(&auth.tenant, &key, status, now_ms()).await?,
+        None => state.storage.get_resource(&auth.tenant, &key).await?,
+    };
+    updated.map(Json).ok_or_else(|| resource_not_found(key.as_str()))
+}
+
+/// Restock (+) or write-off (−). Requires `Idempotency-Key`.
+#[utoipa::path(post, path = "/v1/resources/{key}/adjustments", tag = "resources", request_body = Adjustment,
+    security(("api_key" = [])),
+    params(("key" = String, Path), ("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters")),
+    responses(
+        (status = 200, body = ResourceState),
+        (status = 404, description = "resource_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "insufficient", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "idempotency_key_mismatch", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn adjust(
+    Tenant(auth): Tenant,
+    IdemKey(idem_key): IdemKey,
+    State(state): State<SharedState>,
+    Path(key): Path<String>,
+    body: ValidJson<Adjustment>,
+) -> Result<Response, ApiError> {
+    let key = path_key(&key)?;
+    let req = &body.value;
+    if req.delta == 0 || req.delta.unsigned_abs() > MAX_LINE_QTY.unsigned_abs() {
+        return Err(ApiError::validation("delta", format!("must be non-zero and at most {MAX_LINE_QTY} in size")));
+    }
+    if req.reason.as_ref().is_some_and(|r| r.chars().count() > 200) {
+        return Err(ApiError::validation("reason", "must be at most 200 characters"));
+    }
+    let idem = body.idempotency(idem_key);
+    match state.storage.adjust(&auth.tenant, &idem, &key, req.delta, now_ms()).await? {
+        Ok(outcome) => Ok(idempotent_response(outcome)),
+        Err(AdjustRefusal::ResourceNotFound) => Err(resource_not_found(key.as_str())),
+    }
+}
+
+/// The resource's ledger, oldest first.
+#[utoipa::path(get, path = "/v1/resources/{key}/ledger", tag = "resources", security(("api_key" = [])),
+    params(("key" = String, Path), LedgerParams),
+    responses(
+        (status = 200, body = LedgerPage),
+        (status = 404, description = "resource_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn ledger(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+    Path(key): Path<String>,
+    params: Result<Query<LedgerParams>, QueryRejection>,
+) -> Result<Json<LedgerPage>, ApiError> {
+    let key = path_key(&key)?;
+    let params = query(params)?;
+    let limit = page_limit(params.limit)?;
+    let after = match params.after.as_deref() {
+        None | Some("") => 0,
+        Some(s) => s
+            .parse::<i64>()
+            .ok()
+            .filter(|n| *n >= 0)
+            .ok_or_else(|| ApiError::validation("after", "must be a ledger seq"))?,
+    };
+    let items = state.storage.ledger_page(&auth.tenant, &key, after, limit).await?;
+    let items = items.ok_or_else(|| resource_not_found(key.as_str()))?;
+    let next_after = (items.len() == limit as usize).then(|| items.last().map(|e| e.seq.to_string())).flatten();
+    Ok(Json(LedgerPage { items, next_after }))
+}

@@ -1,0 +1,44 @@
+//! The `stockd` command line: thin wrappers around [`crate::startup`].
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::Config;
+
+#[derive(Debug, Parser)]
+#[command(name = "stockd", version, about = "Deducts consumable resources exactly once, under any load")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the server (embedded SQLite under ./data/ unless configured otherwise).
+    Serve {
+        /// TOML config file; environment variables override it.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Apply database migrations and exit.
+    Migrate {
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+/// Parses arguments and runs the chosen command.
+pub async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    crate::telemetry::init_tracing();
+    match cli.command {
+        Command::Serve { config } => crate::startup::serve(Config::load(config.as_deref())?).await,
+        Command::Migrate { config } => {
+            let config = Config::load(config.as_deref())?;
+            crate::startup::migrate(&config).await?;
+            println!("migrations applied");
+            Ok(())
+        }
+    }
+}

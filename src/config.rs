@@ -1,0 +1,313 @@
+//! Configuration: TOML (every setting with a safe default, see `config/stockd.toml`), then
+//! environment overrides (`STOCKD_LISTEN`, `STOCKD_DATABASE_URL`, `STOCKD_REDIS_URL`,
+//! `STOCKD_ADMIN_TOKEN`). Validated once at start-up; a bad config stops the process with a
+//! message naming the setting.
+
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+use crate::engine::{Kind, ResourceKey, TenantId, MAX_TOTAL};
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub database: DatabaseConfig,
+    pub redis: RedisConfig,
+    pub batch: BatchConfig,
+    pub orders: OrdersConfig,
+    pub idempotency: IdempotencyConfig,
+    pub reservations: ReservationsConfig,
+    pub reconciliation: ReconciliationConfig,
+    pub auth: AuthConfig,
+    pub tenants: Vec<TenantConfig>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RunMode {
+    /// Local use: an admin token is generated and printed when none is configured.
+    #[default]
+    Dev,
+    /// An admin token must be configured; nothing secret is ever printed.
+    Production,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub listen: String,
+    pub mode: RunMode,
+    /// SHA-256 (hex) of the admin token, so the config file holds no secret.
+    pub admin_token_sha256: Option<String>,
+    /// Largest request body accepted on JSON routes.
+    pub body_limit_bytes: usize,
+    /// A request running longer than this is answered 503 (its write, if queued, still
+    /// commits or not atomically).
+    pub request_timeout_ms: u64,
+    /// On SIGTERM, how long in-flight requests may take to finish.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            mode: RunMode::Dev,
+            admin_token_sha256: None,
+            body_limit_bytes: 1024 * 1024,
+            request_timeout_ms: 30_000,
+            shutdown_grace_ms: 30_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseConfig {
+    pub url: String,
+    /// Read connections (SQLite) or pool size (PostgreSQL).
+    pub max_connections: u32,
+    /// SQLite `synchronous`: "full" survives power loss, "normal" only process crashes.
+    pub sqlite_synchronous: String,
+    pub busy_timeout_ms: u64,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        Self {
+            url: "sqlite://data/stockd.db".into(),
+            max_connections: 8,
+            sqlite_synchronous: "full".into(),
+            busy_timeout_ms: 5_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisConfig {
+    pub url: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BatchConfig {
+    /// Most writes committed in one transaction.
+    pub max_batch: usize,
+    /// How long the writer waits for company when a write arrives alone (microseconds).
+    /// 0: never; writes arriving during a commit form the next batch anyway.
+    pub max_wait_us: u64,
+    /// Writes that may queue for the writer before submitters wait.
+    pub queue_depth: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        Self { max_batch: 256, max_wait_us: 0, queue_depth: 10_000 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OrdersConfig {
+    pub max_lines: usize,
+    /// Reservation lifetime when an order gives no `ttl_seconds`.
+    pub default_ttl_seconds: i64,
+}
+
+impl Default for OrdersConfig {
+    fn default() -> Self {
+        Self { max_lines: 100, default_ttl_seconds: 900 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IdempotencyConfig {
+    /// How long a key's first outcome is kept and replayed.
+    pub retention_hours: u64,
+    pub purge_interval_seconds: u64,
+}
+
+impl Default for IdempotencyConfig {
+    fn default() -> Self {
+        Self { retention_hours: 24, purge_interval_seconds: 300 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReservationsConfig {
+    /// How often the sweeper looks for held reservations past their deadline.
+    pub sweep_interval_ms: u64,
+    /// Most reservations expired per sweep transaction.
+    pub sweep_batch: u32,
+}
+
+impl Default for ReservationsConfig {
+    fn default() -> Self {
+        Self { sweep_interval_ms: 1_000, sweep_batch: 500 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReconciliationConfig {
+    /// How often the background job proves state == opening + ledger; 0 disables it.
+    pub interval_seconds: u64,
+}
+
+impl Default for ReconciliationConfig {
+    fn default() -> Self {
+        Self { interval_seconds: 60 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// How long a verified API key is trusted without asking storage again. A key revoked
+    /// through this process stops working at once; through another process, within this time.
+    pub cache_ttl_ms: u64,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        Self { cache_ttl_ms: 1_000 }
+    }
+}
+
+/// A tenant declared in config; created (or updated) at start-up.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    pub id: String,
+    pub name: String,
+    /// SHA-256 (hex) of the tenant's API key.
+    pub api_key_sha256: Option<String>,
+    /// Or: the environment variable holding the key.
+    pub api_key_env: Option<String>,
+    #[serde(default)]
+    pub resources: Vec<SeedResource>,
+}
+
+/// A resource created at start-up if missing (never changed if it exists).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SeedResource {
+    pub key: String,
+    pub kind: Kind,
+    pub total: i64,
+}
+
+impl Config {
+    /// Reads `path` (if given), applies environment overrides and validates.
+    pub fn load(path: Option<&Path>) -> anyhow::Result<Self> {
+        let mut config = match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+                toml::from_str::<Config>(&text).with_context(|| format!("parsing {}", path.display()))?
+            }
+            None => Config::default(),
+        };
+        config.apply_env(|name| std::env::var(name).ok());
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) {
+        if let Some(v) = var("STOCKD_LISTEN") {
+            self.server.listen = v;
+        }
+        if let Some(v) = var("STOCKD_DATABASE_URL") {
+            self.database.url = v;
+        }
+        if let Some(v) = var("STOCKD_REDIS_URL") {
+            self.redis.url = Some(v);
+        }
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        let positive = [
+            ("server.body_limit_bytes", self.server.body_limit_bytes as u64),
+            ("server.request_timeout_ms", self.server.request_timeout_ms),
+            ("database.max_connections", u64::from(self.database.max_connections)),
+            ("batch.max_batch", self.batch.max_batch as u64),
+            ("batch.queue_depth", self.batch.queue_depth as u64),
+            ("orders.max_lines", self.orders.max_lines as u64),
+            ("idempotency.retention_hours", self.idempotency.retention_hours),
+            ("idempotency.purge_interval_seconds", self.idempotency.purge_interval_seconds),
+            ("reservations.sweep_interval_ms", self.reservations.sweep_interval_ms),
+            ("reservations.sweep_batch", u64::from(self.reservations.sweep_batch)),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                bail!("{name} must be greater than 0");
+            }
+        }
+        if self.orders.max_lines > 1000 {
+            bail!("orders.max_lines must be at most 1000");
+        }
+        if !(1..=crate::engine::order::MAX_TTL_SECONDS).contains(&self.orders.default_ttl_seconds) {
+            bail!("orders.default_ttl_seconds must be between 1 and 604800");
+        }
+        if !matches!(self.database.sqlite_synchronous.as_str(), "full" | "normal") {
+            bail!("database.sqlite_synchronous must be \"full\" or \"normal\"");
+        }
+        if let Some(hash) = &self.server.admin_token_sha256 {
+            check_sha256("server.admin_token_sha256", hash)?;
+        }
+        for t in &self.tenants {
+            TenantId::parse(t.id.clone()).with_context(|| format!("tenants: id {:?}", t.id))?;
+            match (&t.api_key_sha256, &t.api_key_env) {
+                (Some(hash), None) => check_sha256(&format!("tenants.{}.api_key_sha256", t.id), hash)?,
+                (None, Some(_)) => {}
+                _ => bail!("tenant {}: set exactly one of api_key_sha256 or api_key_env", t.id),
+            }
+            for r in &t.resources {
+                ResourceKey::parse(r.key.clone())
+                    .with_context(|| format!("tenant {}: resource key {:?}", t.id, r.key))?;
+                if !(0..=MAX_TOTAL).contains(&r.total) {
+                    bail!("tenant {}: resource {} total must be between 0 and {MAX_TOTAL}", t.id, r.key);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_sha256(name: &str, value: &str) -> anyhow::Result<()> {
+    if value.len() == 64 && value.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(())
+    } else {
+        bail!("{name} must be 64 hex characters (a SHA-256)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_config_parses_and_validates() {
+        let text = include_str!("../config/stockd.toml");
+        let config: Config = toml::from_str(text).unwrap_or_else(|e| panic!("config/stockd.toml: {e}"));
+        assert!(config.validate().is_ok());
+    }
+
+    #[test]
+    fn environment_overrides_the_file() {
+        let mut config = Config::default();
+        config.apply_env(|name| (name == "STOCKD_LISTEN").then(|| "127.0.0.1:0".to_string()));
+        assert_eq!(config.server.listen, "127.0.0.1:0");
+        assert_eq!(config.database.url, "sqlite://data/stockd.db");
+    }
+
+    #[test]
+    fn unknown_settings_are_refused() {
+        assert!(toml::from_str::<Config>("[server]\nlisten_on = \"x\"").is_err());
+    }
+}

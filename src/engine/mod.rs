@@ -1,0 +1,13 @@
+//! The domain: newtypes, plans, orders, resources, reservations and the ledger's arithmetic.
+//! Everything here is pure (no I/O, time passed in), so every storage backend applies exactly
+//! the same rules and the rules are unit-tested without a database.
+
+pub mod order;
+pub mod plan;
+pub mod resource;
+pub mod types;
+
+pub use order::{LineResult, OrderDocument, OrderRequest, OrderStatus, Reason};
+pub use plan::{DefaultPlanner, PartialPolicy, Plan, PlannedLine, Planner, PlannerRef};
+pub use resource::{Counters, Drift, LedgerEntry, Reconciliation, Reservation, ReservationLine, ResourceState};
+pub use types::*;

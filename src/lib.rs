@@ -1,0 +1,22 @@
+//! stockd: a multi-tenant server that deducts consumable resources (inventory, balances,
+//! coupons, quotas) without overselling, double-charging or losing an acknowledged request.
+//!
+//! Crate map:
+//! - [`api`]: the REST contract over axum: extractors, handlers, problem+json, OpenAPI.
+//! - [`engine`]: the pure domain: newtypes, plans, order outcomes, ledger arithmetic.
+//! - [`storage`]: the storage trait and its backends (SQLite with group commit).
+//! - [`jobs`]: reservation expiry, reconciliation, idempotency purge.
+//! - [`auth`]: API keys and the admin token (hashed, constant-time).
+//! - [`config`], [`startup`], [`cli`], [`telemetry`]: running the process.
+
+pub mod api;
+pub mod auth;
+pub mod cli;
+pub mod config;
+pub mod engine;
+pub mod jobs;
+pub mod problem;
+pub mod startup;
+pub mod storage;
+pub mod telemetry;
+pub mod time;

@@ -1,0 +1,12 @@
+//! The `stockd` binary; everything lives in the library.
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    match stockd::cli::main().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("stockd: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

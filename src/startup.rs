@@ -1,0 +1,193 @@
+//! Building the server from config and running it: open storage, declare config tenants, start
+//! the jobs, serve HTTP until the shutdown future resolves, then drain and close.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::api::{self, ApiSettings, AppState};
+use crate::auth::{self, Authenticator};
+use crate::config::{Config, RunMode};
+use crate::engine::{DefaultPlanner, ResourceKey, TenantId};
+use crate::jobs::{self, JobSettings};
+use crate::storage::sqlite::{SqliteSettings, SqliteStorage};
+use crate::storage::writer_limits;
+use crate::storage::{NewResource, Storage};
+use crate::time::now_ms;
+
+/// Opens the configured storage backend (migrating it).
+pub async fn open_storage(config: &Config) -> anyhow::Result<Arc<dyn Storage>> {
+    let url = config.database.url.as_str();
+    if url.starts_with("sqlite:") {
+        let storage = SqliteStorage::open(&sqlite_settings(config)).await.context("opening the SQLite database")?;
+        Ok(Arc::new(storage))
+    } else {
+        bail!("database.url: unsupported scheme (expected sqlite://)")
+    }
+}
+
+/// Applies migrations only (`stockd migrate`).
+pub async fn migrate(config: &Config) -> anyhow::Result<()> {
+    let url = config.database.url.as_str();
+    if url.starts_with("sqlite:") {
+        SqliteStorage::migrate(&sqlite_settings(config)).await.context("migrating the SQLite database")?;
+        Ok(())
+    } else {
+        bail!("database.url: unsupported scheme (expected sqlite://)")
+    }
+}
+
+fn sqlite_settings(config: &Config) -> SqliteSettings {
+    SqliteSettings {
+        url: config.database.url.clone(),
+        read_connections: config.database.max_connections,
+        synchronous_full: config.database.sqlite_synchronous == "full",
+        busy_timeout: Duration::from_millis(config.database.busy_timeout_ms),
+        writer: writer_limits(&config.batch),
+    }
+}
+
+/// The admin token's hash: from `STOCKD_ADMIN_TOKEN`, else the config; in dev mode a fresh
+/// token is minted and returned so it can be shown once.
+fn admin_token(config: &Config) -> anyhow::Result<(String, Option<String>)> {
+    if let Ok(token) = std::env::var("STOCKD_ADMIN_TOKEN") {
+        if token.len() < 16 {
+            bail!("STOCKD_ADMIN_TOKEN must be at least 16 characters");
+        }
+        return Ok((auth::sha256_hex(&token), None));
+    }
+    if let Some(hash) = &config.server.admin_token_sha256 {
+        return Ok((hash.to_ascii_lowercase(), None));
+    }
+    match config.server.mode {
+        RunMode::Dev => {
+            let token = auth::mint_admin_token();
+            Ok((auth::sha256_hex(&token), Some(token)))
+        }
+        RunMode::Production => {
+            bail!("production mode needs an admin token: set STOCKD_ADMIN_TOKEN or server.admin_token_sha256")
+        }
+    }
+}
+
+/// Creates config-declared tenants, their keys and seed resources. Idempotent across restarts.
+async fn declare_tenants(storage: &Arc<dyn Storage>, config: &Config) -> anyhow::Result<()> {
+    for t in &config.tenants {
+        let id = TenantId::parse(t.id.clone())?;
+        let hash = match (&t.api_key_sha256, &t.api_key_env) {
+            (Some(hash), _) => hash.to_ascii_lowercase(),
+            (None, Some(var)) => {
+                let key = std::env::var(var)
+                    .with_context(|| format!("tenant {id}: environment variable {var} is not set"))?;
+                auth::sha256_hex(&key)
+            }
+            (None, None) => bail!("tenant {id}: no API key configured"),
+        };
+        storage.ensure_config_tenant(&id, &t.name, &hash, now_ms()).await?;
+        for r in &t.resources {
+            let new = NewResource { key: ResourceKey::parse(r.key.clone())?, kind: r.kind, total: r.total };
+            storage.create_resource(&id, &new, now_ms()).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Resolves when SIGTERM or SIGINT arrives.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+/// `stockd serve`: everything from config to a served, drained, closed server.
+pub async fn serve(config: Config) -> anyhow::Result<()> {
+    let (admin_hash, minted_admin) = admin_token(&config)?;
+    let metrics = crate::telemetry::init_metrics()?;
+    let storage = open_storage(&config).await?;
+    declare_tenants(&storage, &config).await?;
+    let listener =
+        TcpListener::bind(&config.server.listen).await.with_context(|| format!("binding {}", config.server.listen))?;
+    let addr = listener.local_addr()?;
+    println!("listening on http://{addr}");
+    if let Some(token) = minted_admin {
+        println!("dev mode: admin token for this run: {token}");
+        println!("create a tenant: curl -s -X POST http://{addr}/v1/admin/tenants -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' -d '{{\"id\":\"demo\",\"name\":\"Demo\"}}'");
+    } else {
+        println!("create a tenant with POST /v1/admin/tenants and the admin token");
+    }
+    let state = Arc::new(AppState {
+        storage: storage.clone(),
+        auth: Authenticator::new(admin_hash, Duration::from_millis(config.auth.cache_ttl_ms)),
+        planner: Arc::new(DefaultPlanner),
+        settings: ApiSettings {
+            body_limit_bytes: config.server.body_limit_bytes,
+            request_timeout: Duration::from_millis(config.server.request_timeout_ms),
+            max_lines: config.orders.max_lines,
+            default_ttl_seconds: config.orders.default_ttl_seconds,
+        },
+        metrics: Some(metrics),
+    });
+    run(listener, state, &config, shutdown_signal()).await
+}
+
+/// Serves `listener` until `shutdown` resolves, then lets in-flight requests finish (bounded by
+/// the grace period), stops the jobs and closes storage, which commits every queued write.
+pub async fn run(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    config: &Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let storage = state.storage.clone();
+    let (stop_jobs, jobs_stopped) = watch::channel(false);
+    let job_settings = JobSettings {
+        sweep_interval: Duration::from_millis(config.reservations.sweep_interval_ms),
+        sweep_batch: config.reservations.sweep_batch,
+        reconcile_interval: (config.reconciliation.interval_seconds > 0)
+            .then(|| Duration::from_secs(config.reconciliation.interval_seconds)),
+        purge_interval: Duration::from_secs(config.idempotency.purge_interval_seconds),
+        idempotency_retention: Duration::from_secs(config.idempotency.retention_hours.saturating_mul(3600)),
+    };
+    let jobs = jobs::spawn(storage.clone(), job_settings, jobs_stopped);
+
+    let (signalled_tx, mut signalled_rx) = watch::channel(false);
+    let shutdown = async move {
+        shutdown.await;
+        tracing::info!("shutting down: finishing in-flight requests");
+        let _ = signalled_tx.send(true);
+    };
+    let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown);
+    let grace = Duration::from_millis(config.server.shutdown_grace_ms);
+    let served = async {
+        // After the signal, in-flight requests get `grace` to finish.
+        let _ = signalled_rx.wait_for(|s| *s).await;
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        result = server => result.context("serving HTTP")?,
+        _ = served => tracing::warn!("grace period over; stopping with requests still in flight"),
+    }
+    let _ = stop_jobs.send(true);
+    for job in jobs {
+        let _ = job.await;
+    }
+    storage.close().await;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,288 @@
+//! Storage: the one place that reads and writes durable state. Each backend implements
+//! [`Storage`]; the rules it applies (guarded updates, ledger rows and the idempotency record in
+//! the same transaction, legal reservation moves) are the same everywhere and are proven by one
+//! integration suite run against every backend.
+
+pub mod sqlite;
+
+use async_trait::async_trait;
+
+use crate::engine::{
+    IdempotencyKey, Kind, LineResult, OrderDocument, OrderRequest, OrderStatus, Plan, Reconciliation, Reservation,
+    ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
+};
+use crate::problem::Problem;
+
+/// A failure of the storage layer itself (not a business outcome).
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// The database could not be reached or refused for a passing reason (busy, connection
+    /// lost, serialization failure); nothing was applied and the client may retry.
+    #[error("storage unavailable: {0}")]
+    Unavailable(String),
+    /// Anything else: a bug or a broken invariant. Logged, answered 500, never detailed.
+    #[error("storage failure: {0}")]
+    Internal(String),
+}
+
+impl From<sqlx::Error> for StorageError {
+    fn from(err: sqlx::Error) -> Self {
+        use sqlx::Error as E;
+        match &err {
+            E::Io(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed | E::Tls(_) => {
+                StorageError::Unavailable(err.to_string())
+            }
+            E::Database(db) if is_transient_code(db.code().as_deref()) => StorageError::Unavailable(err.to_string()),
+            _ => StorageError::Internal(err.to_string()),
+        }
+    }
+}
+
+/// Database error codes that mean "try again later" rather than "this is a bug".
+fn is_transient_code(code: Option<&str>) -> bool {
+    match code {
+        // SQLite primary result codes (extended codes keep the primary in the low byte).
+        Some(c) if c.parse::<u32>().is_ok() => {
+            let primary = c.parse::<u32>().unwrap_or(0) & 0xff;
+            // BUSY, LOCKED, IOERR, FULL, CANTOPEN, PROTOCOL.
+            matches!(primary, 5 | 6 | 10 | 13 | 14 | 15)
+        }
+        // PostgreSQL: connection exceptions, serialization failure, deadlock, insufficient
+        // resources, operator intervention (shutdown).
+        Some(c) => c.starts_with("08") || c == "40001" || c == "40P01" || c.starts_with("53") || c.starts_with("57"),
+        None => false,
+    }
+}
+
+/// A response exactly as first produced; replays return these bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: u16,
+    pub content_type: ContentType,
+    pub body: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContentType {
+    Json,
+    Problem,
+}
+
+impl ContentType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ContentType::Json => "json",
+            ContentType::Problem => "problem",
+        }
+    }
+
+    pub fn from_db(value: &str) -> Self {
+        if value == "problem" {
+            ContentType::Problem
+        } else {
+            ContentType::Json
+        }
+    }
+}
+
+impl StoredResponse {
+    pub fn json<T: serde::Serialize>(status: u16, value: &T) -> Result<Self, StorageError> {
+        let body = serde_json::to_string(value).map_err(|e| StorageError::Internal(e.to_string()))?;
+        Ok(Self { status, content_type: ContentType::Json, body })
+    }
+
+    pub fn problem(problem: &Problem) -> Result<Self, StorageError> {
+        let body = serde_json::to_string(problem).map_err(|e| StorageError::Internal(e.to_string()))?;
+        Ok(Self { status: problem.status, content_type: ContentType::Problem, body })
+    }
+}
+
+/// The identity of an idempotent request: the tenant-scoped key and a hash of
+/// (method, path, canonical body).
+#[derive(Debug, Clone)]
+pub struct IdempotencyRequest {
+    pub key: IdempotencyKey,
+    pub request_hash: String,
+}
+
+/// How an idempotent call ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Idempotent {
+    /// Processed now; the response is stored with its effects.
+    Fresh(StoredResponse),
+    /// The key was used before for the same request: its first response.
+    Replayed(StoredResponse),
+    /// The key was used before for a different request; nothing applied.
+    Mismatch,
+}
+
+/// An adjustment that did not leave a stored outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdjustRefusal {
+    ResourceNotFound,
+}
+
+/// The outcome of a reservation transition (confirm or release).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transition {
+    /// The reservation is (now, or already was) in the requested end state.
+    Done(Reservation),
+    /// The reservation is in a state the transition may not leave.
+    Refused(ReservationState, Reservation),
+    NotFound,
+}
+
+/// Something to insert that may already exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Insert {
+    Created,
+    AlreadyExists,
+}
+
+#[derive(Debug, Clone)]
+pub struct TenantRecord {
+    pub id: TenantId,
+    pub name: String,
+    pub created_at_ms: i64,
+}
+
+/// An API key as found by its hash.
+#[derive(Debug, Clone)]
+pub struct ApiKeyRecord {
+    pub id: String,
+    pub tenant_id: TenantId,
+    pub hash: String,
+}
+
+/// A new resource's opening state.
+#[derive(Debug, Clone)]
+pub struct NewResource {
+    pub key: ResourceKey,
+    pub kind: Kind,
+    pub total: i64,
+}
+
+/// An order to apply: the validated request, its plan, and the resolved reservation lifetime.
+#[derive(Debug, Clone)]
+pub struct OrderJob {
+    pub tenant: TenantId,
+    pub idempotency: IdempotencyRequest,
+    pub order: OrderRequest,
+    pub plan: Plan,
+    pub ttl_ms: i64,
+}
+
+/// An order's response, and (when processed now) how each planned line fared, for metrics.
+#[derive(Debug, Clone)]
+pub struct OrderExecution {
+    pub response: Idempotent,
+    pub outcome: Option<(OrderStatus, Vec<LineResult>)>,
+}
+
+/// The storage contract. Every mutating method is atomic: it applies wholly or not at all.
+#[async_trait]
+pub trait Storage: Send + Sync + 'static {
+    /// Storage is reachable and migrated.
+    async fn ready(&self) -> Result<(), StorageError>;
+
+    async fn create_tenant(
+        &self,
+        id: &TenantId,
+        name: &str,
+        key: &NewApiKey,
+        now_ms: i64,
+    ) -> Result<Insert, StorageError>;
+    async fn list_tenants(&self) -> Result<Vec<TenantRecord>, StorageError>;
+    /// Adds a key to a tenant; `AlreadyExists` is never returned, `None` means no such tenant.
+    async fn add_api_key(&self, tenant: &TenantId, key: &NewApiKey, now_ms: i64) -> Result<Option<()>, StorageError>;
+    /// Revokes a key; `None` when the tenant has no such unrevoked key.
+    async fn revoke_api_key(&self, tenant: &TenantId, key_id: &str, now_ms: i64) -> Result<Option<()>, StorageError>;
+    async fn find_api_key(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StorageError>;
+    /// Declares a config tenant: created if missing, its config key (id `cfg-<tenant>`) set to `key_hash`.
+    async fn ensure_config_tenant(
+        &self,
+        id: &TenantId,
+        name: &str,
+        key_hash: &str,
+        now_ms: i64,
+    ) -> Result<(), StorageError>;
+
+    async fn create_resource(
+        &self,
+        tenant: &TenantId,
+        res: &NewResource,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError>;
+    async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError>;
+    async fn list_resources(
+        &self,
+        tenant: &TenantId,
+        prefix: Option<&str>,
+        after: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<ResourceState>, StorageError>;
+    async fn set_resource_status(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        status: ResourceStatus,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError>;
+    /// Restock (+) or write-off (−), idempotent.
+    async fn adjust(
+        &self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+        key: &ResourceKey,
+        delta: i64,
+        now_ms: i64,
+    ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError>;
+    /// A page of a resource's ledger; `None` when the resource does not exist.
+    async fn ledger_page(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        after: i64,
+        limit: u32,
+    ) -> Result<Option<Vec<crate::engine::LedgerEntry>>, StorageError>;
+
+    /// Applies an order (or replays its first outcome).
+    async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError>;
+    /// The outcome the order would have now; applies and records nothing.
+    async fn preview_order(
+        &self,
+        tenant: &TenantId,
+        order: &OrderRequest,
+        plan: &Plan,
+    ) -> Result<OrderDocument, StorageError>;
+
+    async fn get_reservation(&self, tenant: &TenantId, id: &str) -> Result<Option<Reservation>, StorageError>;
+    async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError>;
+    async fn release_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError>;
+    /// Expires up to `limit` held reservations past their deadline; returns how many.
+    async fn expire_due(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError>;
+
+    /// Proves state == opening balance + ledger for one tenant, or for all when `None`.
+    async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError>;
+    /// Forgets idempotency records created before `before_ms`; returns how many.
+    async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
+
+    /// Finishes queued writes and closes connections.
+    async fn close(&self);
+}
+
+/// A freshly minted API key's stored half.
+#[derive(Debug, Clone)]
+pub struct NewApiKey {
+    pub id: String,
+    pub hash: String,
+}
+
+/// The writer bounds from `[batch]`.
+pub fn writer_limits(batch: &crate::config::BatchConfig) -> sqlite::writer::WriterLimits {
+    sqlite::writer::WriterLimits {
+        max_batch: batch.max_batch,
+        queue_depth: batch.queue_depth,
+        max_wait: std::time::Duration::from_micros(batch.max_wait_us),
+    }
+}

@@ -1,0 +1,493 @@
+//! The embedded SQLite backend (WAL). Writes go through one group-committing writer task
+//! ([`writer`]); reads use a pool of read connections that WAL lets run beside the writer.
+
+pub mod ops;
+pub mod writer;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{ConnectOptions, Row};
+
+use self::ops::{reservation_from_row, resource_from_row, RESOURCE_COLUMNS};
+use self::writer::{Writer, WriterLimits};
+use super::{
+    AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
+    OrderJob, Storage, StorageError, TenantRecord, Transition,
+};
+use crate::engine::{
+    Counters, Drift, LedgerEntry, LedgerOp, LineResult, OrderDocument, OrderRequest, Plan, Reason, Reconciliation,
+    Reservation, ResourceKey, ResourceState, ResourceStatus, TenantId,
+};
+use crate::time::Timestamp;
+
+/// How the SQLite backend is opened.
+#[derive(Debug, Clone)]
+pub struct SqliteSettings {
+    pub url: String,
+    pub read_connections: u32,
+    /// `FULL` (default) makes every acknowledged commit survive power loss; `NORMAL` only a
+    /// process crash.
+    pub synchronous_full: bool,
+    pub busy_timeout: Duration,
+    pub writer: WriterLimits,
+}
+
+pub struct SqliteStorage {
+    read: SqlitePool,
+    writer: Mutex<Option<Writer>>,
+    writer_task: tokio::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+
+fn options(settings: &SqliteSettings) -> Result<SqliteConnectOptions, StorageError> {
+    let opts = SqliteConnectOptions::from_str(&settings.url)
+        .map_err(|e| StorageError::Internal(format!("bad SQLite URL: {e}")))?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(if settings.synchronous_full { SqliteSynchronous::Full } else { SqliteSynchronous::Normal })
+        .busy_timeout(settings.busy_timeout)
+        .foreign_keys(true)
+        .log_statements(tracing::log::LevelFilter::Trace);
+    if let Some(parent) = Path::new(opts.get_filename()).parent() {
+        if !parent.as_os_str().is_empty() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| StorageError::Unavailable(format!("cannot create {}: {e}", parent.display())))?;
+        }
+    }
+    Ok(opts)
+}
+
+impl SqliteStorage {
+    /// Opens the database, applies migrations and starts the writer.
+    pub async fn open(settings: &SqliteSettings) -> Result<Self, StorageError> {
+        let opts = options(settings)?;
+        let read = SqlitePoolOptions::new()
+            .max_connections(settings.read_connections.max(1))
+            .connect_with(opts.clone())
+            .await?;
+        MIGRATOR.run(&read).await.map_err(|e| StorageError::Internal(format!("migration failed: {e}")))?;
+        let write_conn = opts.connect().await?;
+        let (writer, task) = Writer::start(write_conn, settings.writer);
+        Ok(Self { read, writer: Mutex::new(Some(writer)), writer_task: tokio::sync::Mutex::new(Some(task)) })
+    }
+
+    /// Applies migrations and returns, for `stockd migrate`.
+    pub async fn migrate(settings: &SqliteSettings) -> Result<(), StorageError> {
+        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options(settings)?).await?;
+        MIGRATOR.run(&pool).await.map_err(|e| StorageError::Internal(format!("migration failed: {e}")))?;
+        pool.close().await;
+        Ok(())
+    }
+
+    fn writer(&self) -> Result<Writer, StorageError> {
+        self.writer
+            .lock()
+            .map_err(|_| StorageError::Internal("writer handle poisoned".into()))?
+            .clone()
+            .ok_or_else(|| StorageError::Unavailable("shutting down".into()))
+    }
+}
+
+fn ledger_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<LedgerEntry, StorageError> {
+    let op: String = row.try_get("op")?;
+    Ok(LedgerEntry {
+        seq: row.try_get("seq")?,
+        op: LedgerOp::from_db(&op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
+        qty: row.try_get("qty")?,
+        request_id: row.try_get("request_id")?,
+        order_id: row.try_get("order_id")?,
+        reservation_id: row.try_get("reservation_id")?,
+        available_after: row.try_get("available_after")?,
+        reserved_after: row.try_get("reserved_after")?,
+        consumed_after: row.try_get("consumed_after")?,
+        plugin_version: row.try_get("plugin_version")?,
+        at: Timestamp(row.try_get("at")?),
+    })
+}
+
+#[async_trait]
+impl Storage for SqliteStorage {
+    async fn ready(&self) -> Result<(), StorageError> {
+        sqlx::query("SELECT 1 FROM resources LIMIT 1").fetch_optional(&self.read).await?;
+        self.writer().map(|_| ())
+    }
+
+    async fn create_tenant(
+        &self,
+        id: &TenantId,
+        name: &str,
+        key: &NewApiKey,
+        now_ms: i64,
+    ) -> Result<Insert, StorageError> {
+        let (id, name, key) = (id.clone(), name.to_string(), key.clone());
+        self.writer()?
+            .submit(move |conn| {
+                Box::pin(async move {
+                    let created = sqlx::query(
+                        "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING",
+                    )
+                    .bind(id.as_str())
+                    .bind(&name)
+                    .bind(now_ms)
+                    .execute(&mut *conn)
+                    .await?;
+                    if created.rows_affected() == 0 {
+                        return Ok(Insert::AlreadyExists);
+                    }
+                    sqlx::query("INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES ($1, $2, $3, $4)")
+                        .bind(&key.id)
+                        .bind(id.as_str())
+                        .bind(&key.hash)
+                        .bind(now_ms)
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(Insert::Created)
+                })
+            })
+            .await
+    }
+
+    async fn list_tenants(&self) -> Result<Vec<TenantRecord>, StorageError> {
+        let rows = sqlx::query("SELECT id, name, created_at FROM tenants ORDER BY id LIMIT 10000")
+            .fetch_all(&self.read)
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let id: String = r.try_get("id")?;
+                Ok(TenantRecord {
+                    id: TenantId::parse(id).map_err(|e| StorageError::Internal(e.to_string()))?,
+                    name: r.try_get("name")?,
+                    created_at_ms: r.try_get("created_at")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn add_api_key(&self, tenant: &TenantId, key: &NewApiKey, now_ms: i64) -> Result<Option<()>, StorageError> {
+        let (tenant, key) = (tenant.clone(), key.clone());
+        self.writer()?
+            .submit(move |conn| {
+                Box::pin(async move {
+                    let added = sqlx::query(
+                        "INSERT INTO api_keys (id, tenant_id, hash, created_at)
+                         SELECT $1, id, $2, $3 FROM tenants WHERE id = $4",
+                    )
+                    .bind(&key.id)
+                    .bind(&key.hash)
+                    .bind(now_ms)
+                    .bind(tenant.as_str())
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok((added.rows_affected() == 1).then_some(()))
+                })
+            })
+            .await
+    }
+
+    async fn revoke_api_key(&self, tenant: &TenantId, key_id: &str, now_ms: i64) -> Result<Option<()>, StorageError> {
+        let (tenant, key_id) = (tenant.clone(), key_id.to_string());
+        self.writer()?
+            .submit(move |conn| {
+                Box::pin(async move {
+                    let revoked = sqlx::query(
+                        "UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND tenant_id = $3 AND revoked_at IS NULL",
+                    )
+                    .bind(now_ms)
+                    .bind(&key_id)
+                    .bind(tenant.as_str())
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok((revoked.rows_affected() == 1).then_some(()))
+                })
+            })
+            .await
+    }
+
+    async fn find_api_key(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StorageError> {
+        let row = sqlx::query("SELECT id, tenant_id, hash FROM api_keys WHERE hash = $1 AND revoked_at IS NULL")
+            .bind(hash)
+            .fetch_optional(&self.read)
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let tenant: String = row.try_get("tenant_id")?;
+        Ok(Some(ApiKeyRecord {
+            id: row.try_get("id")?,
+            tenant_id: TenantId::parse(tenant).map_err(|e| StorageError::Internal(e.to_string()))?,
+            hash: row.try_get("hash")?,
+        }))
+    }
+
+    async fn ensure_config_tenant(
+        &self,
+        id: &TenantId,
+        name: &str,
+        key_hash: &str,
+        now_ms: i64,
+    ) -> Result<(), StorageError> {
+        let (id, name, key_hash) = (id.clone(), name.to_string(), key_hash.to_string());
+        self.writer()?
+            .submit(move |conn| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3) ON CONFLICT (id) DO UPDATE SET name = excluded.name")
+                        .bind(id.as_str())
+                        .bind(&name)
+                        .bind(now_ms)
+                        .execute(&mut *conn)
+                        .await?;
+                    sqlx::query(
+                        "INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES ($1, $2, $3, $4)
+                         ON CONFLICT (id) DO UPDATE SET hash = excluded.hash, revoked_at = NULL",
+                    )
+                    .bind(format!("cfg-{id}"))
+                    .bind(id.as_str())
+                    .bind(&key_hash)
+                    .bind(now_ms)
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok(())
+                })
+            })
+            .await
+    }
+
+    async fn create_resource(
+        &self,
+        tenant: &TenantId,
+        res: &NewResource,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError> {
+        let (tenant, res) = (tenant.clone(), res.clone());
+        self.writer()?.submit(move |conn| Box::pin(ops::create_resource(conn, tenant, res, now_ms))).await
+    }
+
+    async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError> {
+        let row = sqlx::query(&format!("SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = $1 AND key = $2"))
+            .bind(tenant.as_str())
+            .bind(key.as_str())
+            .fetch_optional(&self.read)
+            .await?;
+        row.as_ref().map(resource_from_row).transpose()
+    }
+
+    async fn list_resources(
+        &self,
+        tenant: &TenantId,
+        prefix: Option<&str>,
+        after: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<ResourceState>, StorageError> {
+        // Keys are [A-Za-z0-9._:@-], so a prefix range needs no LIKE escaping: every key with
+        // the prefix sorts in [prefix, prefix || char(0x7f)).
+        let prefix = prefix.unwrap_or("");
+        let rows = sqlx::query(&format!(
+            "SELECT {RESOURCE_COLUMNS} FROM resources
+             WHERE tenant_id = $1 AND key >= $2 AND key < $3 AND key > $4
+             ORDER BY key LIMIT $5"
+        ))
+        .bind(tenant.as_str())
+        .bind(prefix)
+        .bind(format!("{prefix}\u{7f}"))
+        .bind(after.unwrap_or(""))
+        .bind(i64::from(limit))
+        .fetch_all(&self.read)
+        .await?;
+        rows.iter().map(resource_from_row).collect()
+    }
+
+    async fn set_resource_status(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        status: ResourceStatus,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError> {
+        let (tenant, key) = (tenant.clone(), key.clone());
+        self.writer()?.submit(move |conn| Box::pin(ops::set_resource_status(conn, tenant, key, status, now_ms))).await
+    }
+
+    async fn adjust(
+        &self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+        key: &ResourceKey,
+        delta: i64,
+        now_ms: i64,
+    ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError> {
+        let (tenant, idem, key) = (tenant.clone(), idem.clone(), key.clone());
+        self.writer()?.submit(move |conn| Box::pin(ops::adjust(conn, tenant, idem, key, delta, now_ms))).await
+    }
+
+    async fn ledger_page(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        after: i64,
+        limit: u32,
+    ) -> Result<Option<Vec<LedgerEntry>>, StorageError> {
+        let mut tx = self.read.begin().await?;
+        let exists = sqlx::query("SELECT 1 FROM resources WHERE tenant_id = $1 AND key = $2")
+            .bind(tenant.as_str())
+            .bind(key.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+        if exists.is_none() {
+            return Ok(None);
+        }
+        let rows = sqlx::query(
+            "SELECT seq, op, qty, request_id, order_id, reservation_id, available_after, reserved_after,
+                    consumed_after, plugin_version, at
+             FROM ledger WHERE tenant_id = $1 AND resource_key = $2 AND seq > $3 ORDER BY seq LIMIT $4",
+        )
+        .bind(tenant.as_str())
+        .bind(key.as_str())
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        rows.iter().map(ledger_from_row).collect::<Result<Vec<_>, _>>().map(Some)
+    }
+
+    async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
+        self.writer()?.submit(move |conn| Box::pin(ops::execute_order(conn, job, now_ms))).await
+    }
+
+    async fn preview_order(
+        &self,
+        tenant: &TenantId,
+        order: &OrderRequest,
+        plan: &Plan,
+    ) -> Result<OrderDocument, StorageError> {
+        let mut tx = self.read.begin().await?;
+        let mut results = Vec::with_capacity(plan.lines.len());
+        for line in &plan.lines {
+            let row = sqlx::query("SELECT status, kind, available FROM resources WHERE tenant_id = $1 AND key = $2")
+                .bind(tenant.as_str())
+                .bind(line.resource.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
+            let result = match row {
+                None => LineResult::Rejected(Reason::ResourceNotFound),
+                Some(row) => {
+                    let status: String = row.try_get("status")?;
+                    let kind: String = row.try_get("kind")?;
+                    let available: i64 = row.try_get("available")?;
+                    if line.kind.is_some_and(|k| k.as_str() != kind) {
+                        LineResult::Rejected(Reason::ResourceNotFound)
+                    } else if status != ResourceStatus::Active.as_str() {
+                        LineResult::Rejected(Reason::ResourceInactive)
+                    } else if available < line.qty {
+                        LineResult::Rejected(Reason::Insufficient)
+                    } else {
+                        LineResult::Applied
+                    }
+                }
+            };
+            results.push(result);
+        }
+        Ok(OrderDocument::build(order, plan, &results, None))
+    }
+
+    async fn get_reservation(&self, tenant: &TenantId, id: &str) -> Result<Option<Reservation>, StorageError> {
+        let row = sqlx::query(
+            "SELECT id, order_id, state, lines, expires_at FROM reservations WHERE tenant_id = $1 AND id = $2",
+        )
+        .bind(tenant.as_str())
+        .bind(id)
+        .fetch_optional(&self.read)
+        .await?;
+        row.as_ref().map(reservation_from_row).transpose()
+    }
+
+    async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
+        let (tenant, id) = (tenant.clone(), id.to_string());
+        self.writer()?.submit(move |conn| Box::pin(ops::confirm_reservation(conn, tenant, id, now_ms))).await
+    }
+
+    async fn release_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
+        let (tenant, id) = (tenant.clone(), id.to_string());
+        self.writer()?.submit(move |conn| Box::pin(ops::release_reservation(conn, tenant, id, now_ms))).await
+    }
+
+    async fn expire_due(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
+        self.writer()?.submit(move |conn| Box::pin(ops::expire_due(conn, now_ms, limit))).await
+    }
+
+    async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {
+        // One read transaction: resources and ledger come from the same snapshot, so a commit
+        // landing between the two reads can never look like drift.
+        let mut tx = self.read.begin().await?;
+        let tenant = tenant.map(TenantId::as_str);
+        let resources = sqlx::query(&format!(
+            "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources WHERE ($1 IS NULL OR tenant_id = $1) ORDER BY tenant_id, key"
+        ))
+        .bind(tenant)
+        .fetch_all(&mut *tx)
+        .await?;
+        let sums = sqlx::query(
+            "SELECT tenant_id, resource_key, op, SUM(qty) AS qty, COUNT(*) AS n FROM ledger
+             WHERE ($1 IS NULL OR tenant_id = $1) GROUP BY tenant_id, resource_key, op",
+        )
+        .bind(tenant)
+        .fetch_all(&mut *tx)
+        .await?;
+        let latest = sqlx::query(
+            "SELECT l.tenant_id, l.resource_key, l.available_after, l.reserved_after, l.consumed_after FROM ledger l
+             JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE ($1 IS NULL OR tenant_id = $1) GROUP BY tenant_id, resource_key) m
+               ON l.seq = m.seq",
+        )
+        .bind(tenant)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+
+        let mut expected: HashMap<(String, String), Counters> = HashMap::new();
+        for row in &sums {
+            let op: String = row.try_get("op")?;
+            let op = LedgerOp::from_db(&op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?;
+            let key = (row.try_get("tenant_id")?, row.try_get("resource_key")?);
+            expected.entry(key).or_default().apply(op, row.try_get("qty")?, row.try_get("n")?);
+        }
+        let mut newest: HashMap<(String, String), (i64, i64, i64)> = HashMap::new();
+        for row in &latest {
+            let key = (row.try_get("tenant_id")?, row.try_get("resource_key")?);
+            newest.insert(
+                key,
+                (row.try_get("available_after")?, row.try_get("reserved_after")?, row.try_get("consumed_after")?),
+            );
+        }
+        let mut drift = Vec::new();
+        for row in &resources {
+            let state = resource_from_row(row)?;
+            let id = (row.try_get::<String, _>("tenant_id")?, state.key.clone());
+            let want = expected.get(&id).copied().unwrap_or_default();
+            let have = state.counters();
+            let last_matches = newest.get(&id) == Some(&(have.available, have.reserved, have.consumed));
+            if want != have || !last_matches {
+                drift.push(Drift { key: state.key.clone(), expected: want, actual: have });
+            }
+        }
+        Ok(Reconciliation { checked: resources.len() as u64, drift })
+    }
+
+    async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+        self.writer()?.submit(move |conn| Box::pin(ops::purge_idempotency(conn, before_ms, limit))).await
+    }
+
+    async fn close(&self) {
+        // Dropping the last handle lets the writer drain its queue and stop.
+        if let Ok(mut w) = self.writer.lock() {
+            w.take();
+        }
+        if let Some(task) = self.writer_task.lock().await.take() {
+            let _ = task.await;
+        }
+        self.read.close().await;
+    }
+}
