@@ -1,0 +1,287 @@
+//! Concurrency: many clients racing on the same keys end with exact arithmetic, no 5xx, no
+//! deadlock, and a ledger that replays to the state.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use serde_json::Value;
+use tokio::sync::Barrier;
+
+use crate::helpers::{assert_counts, deduct, entries_with_op, reserve, spawn_app, unique, Reply, TenantClient};
+
+/// Bound on how long a client keeps retrying `409 idempotency_in_progress`.
+const IN_PROGRESS_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Sends an order, retrying while the server says the same key is still in flight (the
+/// contract allows `409 idempotency_in_progress` with `Retry-After`), like a careful client.
+async fn order_until_settled(shop: &TenantClient, key: &str, body: &Value) -> Reply {
+    let deadline = tokio::time::Instant::now() + IN_PROGRESS_DEADLINE;
+    loop {
+        let reply = shop.order(key, body).await;
+        let in_progress = reply.status() == 409
+            && reply.content_type().starts_with("application/problem+json")
+            && reply.json()["code"] == "idempotency_in_progress";
+        if !in_progress {
+            return reply;
+        }
+        assert!(
+            reply.header("retry-after").is_some(),
+            "idempotency_in_progress carries Retry-After: {:?}",
+            reply.headers
+        );
+        assert!(tokio::time::Instant::now() < deadline, "key {key} stayed in progress");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Asserts `reply` is a rejected order whose lines are only `rejected/insufficient` (at least
+/// one) or `skipped/skipped`.
+#[track_caller]
+fn assert_rejected_for_insufficient(reply: &Reply) {
+    let doc = reply.expect_json(409);
+    assert_eq!(doc["status"], "rejected", "{doc}");
+    let lines = doc["lines"].as_array().expect("lines is an array");
+    let mut insufficient = 0;
+    for line in lines {
+        assert_eq!(line["applied"], 0, "{doc}");
+        match (line["status"].as_str(), line["reason"].as_str()) {
+            (Some("rejected"), Some("insufficient")) => insufficient += 1,
+            (Some("skipped"), Some("skipped")) => {}
+            other => panic!("unexpected line outcome {other:?} in {doc}"),
+        }
+    }
+    assert!(insufficient >= 1, "at least one line is insufficient: {doc}");
+}
+
+/// 64 clients x 2 orders of qty 1 on a stock of 50: exactly 50 succeed, 78 are rejected as
+/// insufficient, and state, ledger and reconciliation agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_clients_racing_for_fifty_units_get_exactly_fifty() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-hot", 50).await;
+
+    let barrier = Arc::new(Barrier::new(64));
+    let clients = (0..64).map(|client| {
+        let shop = shop.clone();
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let mut replies = Vec::new();
+            for n in 0..2 {
+                let key = format!("c{client}-o{n}");
+                replies.push(shop.order(&key, &deduct(&key, &[("sku-hot", 1)])).await);
+            }
+            replies
+        })
+    });
+    let replies: Vec<Reply> =
+        join_all(clients).await.into_iter().flat_map(|r| r.expect("client task does not panic")).collect();
+
+    let created = replies.iter().filter(|r| r.status() == 201).count();
+    let rejected: Vec<&Reply> = replies.iter().filter(|r| r.status() == 409).collect();
+    let other: Vec<String> = replies
+        .iter()
+        .filter(|r| r.status() != 201 && r.status() != 409)
+        .map(|r| format!("{} {}", r.status, r.text))
+        .collect();
+    assert!(other.is_empty(), "unexpected answers: {other:?}");
+    assert_eq!(created, 50);
+    assert_eq!(rejected.len(), 78);
+    for reply in rejected {
+        assert_rejected_for_insufficient(reply);
+    }
+
+    assert_counts(&shop.state("sku-hot").await, 0, 0, 50, 50);
+    let ledger = shop.assert_ledger_replays_to_state("sku-hot").await;
+    let deducts = entries_with_op(&ledger, "deduct");
+    assert_eq!(deducts.len(), 50);
+    let orders: HashSet<&str> = deducts.iter().filter_map(|e| e["order_id"].as_str()).collect();
+    assert_eq!(orders.len(), 50, "50 distinct orders in the ledger");
+    shop.assert_reconciliation_clean(1).await;
+}
+
+/// 40 concurrent copies of one request: applied once, and all 40 answers carry the same status
+/// and body (one fresh answer, 39 replays).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forty_concurrent_replays_apply_once() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 100).await;
+    let body = deduct("ORD-1", &[("sku-1", 7)]);
+
+    let barrier = Arc::new(Barrier::new(40));
+    let copies = (0..40).map(|_| {
+        let shop = shop.clone();
+        let barrier = barrier.clone();
+        let body = body.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            order_until_settled(&shop, "the-one-key", &body).await
+        })
+    });
+    let replies: Vec<Reply> =
+        join_all(copies).await.into_iter().map(|r| r.expect("client task does not panic")).collect();
+
+    let first = &replies[0];
+    assert_eq!(first.status(), 201, "body: {}", first.text);
+    for reply in &replies {
+        assert_eq!(reply.status(), first.status(), "body: {}", reply.text);
+        assert_eq!(reply.json(), first.json());
+    }
+    let fresh = replies.iter().filter(|r| !r.replayed()).count();
+    assert_eq!(fresh, 1, "exactly one answer is the original, the rest are replays");
+
+    assert_counts(&shop.state("sku-1").await, 93, 0, 7, 100);
+    let ledger = shop.assert_ledger_replays_to_state("sku-1").await;
+    assert_eq!(entries_with_op(&ledger, "deduct").len(), 1);
+}
+
+/// Multi-line orders over the same three keys, listed in every order by 32 concurrent clients:
+/// no deadlock, no 5xx, exactly `stock` orders succeed and every key is consumed equally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_line_orders_in_opposite_key_orders_do_not_deadlock() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    let keys = ["k-1", "k-2", "k-3"];
+    for key in keys {
+        shop.create_resource(key, 200).await;
+    }
+    let permutations: [[usize; 3]; 6] = [[0, 1, 2], [2, 1, 0], [1, 2, 0], [0, 2, 1], [2, 0, 1], [1, 0, 2]];
+
+    let barrier = Arc::new(Barrier::new(32));
+    let clients = (0..32).map(|client| {
+        let shop = shop.clone();
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let mut replies = Vec::new();
+            for n in 0..10 {
+                let order = permutations[(client * 10 + n) % permutations.len()];
+                let lines: Vec<(&str, i64)> = order.iter().map(|&i| (keys[i], 1)).collect();
+                let key = format!("c{client}-o{n}");
+                replies.push(shop.order(&key, &deduct(&key, &lines)).await);
+            }
+            replies
+        })
+    });
+    let replies: Vec<Reply> =
+        join_all(clients).await.into_iter().flat_map(|r| r.expect("client task does not panic")).collect();
+
+    let created = replies.iter().filter(|r| r.status() == 201).count();
+    let mut rejected = 0;
+    for reply in &replies {
+        match reply.status() {
+            201 => {}
+            409 => {
+                assert_rejected_for_insufficient(reply);
+                rejected += 1;
+            }
+            _ => panic!("unexpected answer {} {}", reply.status, reply.text),
+        }
+    }
+    assert_eq!(created, 200);
+    assert_eq!(rejected, 120);
+    for key in keys {
+        assert_counts(&shop.state(key).await, 0, 0, 200, 200);
+        let ledger = shop.assert_ledger_replays_to_state(key).await;
+        assert_eq!(entries_with_op(&ledger, "deduct").len(), 200, "{key}");
+    }
+    shop.assert_reconciliation_clean(3).await;
+}
+
+/// Concurrent reserves, confirms, releases and deducts on one key settle to exact sums.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_reservations_and_deducts_settle_exactly() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 100).await;
+
+    let barrier = Arc::new(Barrier::new(48));
+    let reservers = (0..32).map(|client| {
+        let shop = shop.clone();
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let key = unique("rsv");
+            let doc = shop.order(&key, &reserve(&key, &[("sku-1", 2)], Some(600))).await.expect_json(201);
+            let id = doc["reservation_id"].as_str().expect("reservation_id").to_owned();
+            let settled = if client % 2 == 0 { shop.confirm(&id).await } else { shop.release(&id).await };
+            settled.expect_json(200)["state"].as_str().unwrap_or_default().to_owned()
+        })
+    });
+    let deducters = (0..16).map(|_| {
+        let shop = shop.clone();
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let key = unique("ded");
+            let doc = shop.order(&key, &deduct(&key, &[("sku-1", 1)])).await.expect_json(201);
+            doc["status"].as_str().unwrap_or_default().to_owned()
+        })
+    });
+    let (settled, deducted) = tokio::join!(join_all(reservers), join_all(deducters));
+    let settled: Vec<String> = settled.into_iter().map(|r| r.expect("task does not panic")).collect();
+    assert_eq!(settled.iter().filter(|s| *s == "confirmed").count(), 16);
+    assert_eq!(settled.iter().filter(|s| *s == "released").count(), 16);
+    for status in deducted {
+        assert_eq!(status.expect("task does not panic"), "succeeded");
+    }
+
+    // 16 confirmed x 2 + 16 deducted x 1 consumed; released holds are available again.
+    assert_counts(&shop.state("sku-1").await, 52, 0, 48, 100);
+    let ledger = shop.assert_ledger_replays_to_state("sku-1").await;
+    assert_eq!(entries_with_op(&ledger, "reserve").len(), 32);
+    assert_eq!(entries_with_op(&ledger, "confirm").len(), 16);
+    assert_eq!(entries_with_op(&ledger, "release").len(), 16);
+    assert_eq!(entries_with_op(&ledger, "deduct").len(), 16);
+    shop.assert_reconciliation_clean(1).await;
+}
+
+/// Confirms and releases racing on one reservation: exactly one of them takes effect, and every
+/// answer agrees with the winner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_confirm_and_release_settle_once() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 10).await;
+    let doc = shop.order("idem-1", &reserve("ORD-1", &[("sku-1", 4)], Some(600))).await.expect_json(201);
+    let id = doc["reservation_id"].as_str().expect("reservation_id").to_owned();
+
+    let barrier = Arc::new(Barrier::new(20));
+    let racers = (0..20).map(|i| {
+        let shop = shop.clone();
+        let barrier = barrier.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let confirm = i % 2 == 0;
+            let reply = if confirm { shop.confirm(&id).await } else { shop.release(&id).await };
+            (confirm, reply)
+        })
+    });
+    let results: Vec<(bool, Reply)> =
+        join_all(racers).await.into_iter().map(|r| r.expect("task does not panic")).collect();
+
+    let final_state = shop.reservation(&id).await.expect_json(200)["state"].clone();
+    let confirmed = final_state == "confirmed";
+    assert!(confirmed || final_state == "released", "final state {final_state}");
+    for (is_confirm, reply) in &results {
+        if *is_confirm == confirmed {
+            assert_eq!(reply.expect_json(200)["state"], final_state);
+        } else {
+            let code = if confirmed { "reservation_confirmed" } else { "reservation_released" };
+            crate::helpers::assert_problem(reply, 409, code);
+        }
+    }
+    let ledger = shop.assert_ledger_replays_to_state("sku-1").await;
+    let settles = entries_with_op(&ledger, "confirm").len() + entries_with_op(&ledger, "release").len();
+    assert_eq!(settles, 1);
+    if confirmed {
+        assert_counts(&shop.state("sku-1").await, 6, 0, 4, 10);
+    } else {
+        assert_counts(&shop.state("sku-1").await, 10, 0, 0, 10);
+    }
+}

@@ -1,0 +1,21 @@
+//! Black-box API tests for `stockd`.
+//!
+//! Every test starts the real binary (`stockd serve`) on a free port against a fresh database in
+//! its own temporary directory and talks HTTP to it, exactly like a client would. All API tests
+//! compile into this one test binary so the (large) server crate is linked once.
+//!
+//! The storage backend is chosen in one place, `helpers::Backend` (env `STOCKD_TEST_BACKEND`,
+//! default `sqlite`), so the same suite runs against every backend.
+
+mod concurrency;
+mod config_tenants;
+mod crash;
+mod helpers;
+mod idempotency;
+mod isolation;
+mod ops;
+mod orders;
+mod reservations;
+mod resources;
+mod tenants;
+mod validation;

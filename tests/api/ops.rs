@@ -1,0 +1,92 @@
+//! Operations endpoints: health, readiness, metrics, OpenAPI, reconciliation, unknown routes.
+
+use reqwest::Method;
+
+use crate::helpers::{assert_problem, assert_problem_status, deduct, send, spawn_app};
+
+/// `/healthz` and `/readyz` answer 200 without credentials.
+#[tokio::test]
+async fn health_and_readiness_answer_200() {
+    let app = spawn_app().await;
+    let health = app.get_anonymous("/healthz").await;
+    assert_eq!(health.status(), 200, "body: {}", health.text);
+    let ready = app.get_anonymous("/readyz").await;
+    assert_eq!(ready.status(), 200, "body: {}", ready.text);
+}
+
+/// `/metrics` is Prometheus text that counts HTTP requests and deductions after an order.
+#[tokio::test]
+async fn metrics_count_requests_and_deductions() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 10).await;
+    shop.order("idem-1", &deduct("ORD-1", &[("sku-1", 2)])).await.expect_json(201);
+
+    let metrics = app.get_anonymous("/metrics").await;
+    assert_eq!(metrics.status(), 200, "body: {}", metrics.text);
+    assert!(metrics.content_type().starts_with("text/plain"), "{}", metrics.content_type());
+    assert!(metrics.text.contains("stockd_http_requests_total"), "{}", metrics.text);
+    assert!(metrics.text.contains("stockd_deductions_total"), "{}", metrics.text);
+    assert!(!metrics.text.contains(&shop.api_key), "metrics never show keys");
+    assert!(!metrics.text.contains(&app.admin_token), "metrics never show the admin token");
+}
+
+/// `/openapi.json` is an OpenAPI 3 document describing the order and resource routes.
+#[tokio::test]
+async fn openapi_document_describes_the_api() {
+    let app = spawn_app().await;
+    let reply = app.get_anonymous("/openapi.json").await;
+    let doc = reply.expect_json(200);
+    let version = doc["openapi"].as_str().expect("openapi is a version string");
+    assert!(version.starts_with("3."), "OpenAPI 3, got {version}");
+    let paths = doc["paths"].as_object().expect("paths is an object");
+    for path in [
+        "/v1/orders",
+        "/v1/orders/dry-run",
+        "/v1/resources",
+        "/v1/resources/{key}",
+        "/v1/resources/{key}/ledger",
+        "/v1/resources/{key}/adjustments",
+        "/v1/reservations/{id}",
+        "/v1/admin/tenants",
+    ] {
+        assert!(paths.contains_key(path), "OpenAPI paths include {path}: {:?}", paths.keys());
+    }
+}
+
+/// Reconciliation of a busy tenant checks every resource and finds no drift.
+#[tokio::test]
+async fn reconciliation_checks_every_resource_and_finds_no_drift() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    shop.assert_reconciliation_clean(0).await;
+    for key in ["sku-1", "sku-2", "sku-3"] {
+        shop.create_resource(key, 20).await;
+    }
+    shop.order("o-1", &deduct("ORD-1", &[("sku-1", 2), ("sku-2", 3)])).await.expect_json(201);
+    shop.adjust("sku-3", "adj-1", -5).await.expect_json(200);
+    shop.assert_reconciliation_clean(3).await;
+
+    assert_problem(&app.get_anonymous("/v1/reconciliation").await, 401, "unauthorized");
+}
+
+/// Unknown routes are 404 problem+json `not_found`, with and without credentials.
+#[tokio::test]
+async fn unknown_route_is_a_not_found_problem() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    assert_problem(&app.get_anonymous("/nope").await, 404, "not_found");
+    assert_problem(&shop.get("/v1/nope").await, 404, "not_found");
+    assert_problem(&shop.get("/v1/resources/sku-1/nope").await, 404, "not_found");
+}
+
+/// A known path with a method it does not serve is a 405 problem document.
+#[tokio::test]
+async fn wrong_method_is_a_problem_document() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    let reply = send(shop.request(Method::DELETE, "/v1/orders")).await;
+    assert_problem_status(&reply, 405);
+    let reply = send(shop.request(Method::PUT, "/v1/resources")).await;
+    assert_problem_status(&reply, 405);
+}
