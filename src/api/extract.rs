@@ -122,7 +122,10 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ValidJson<T> {
         })?;
         let json: Value = serde_json::from_slice(&bytes)
             .map_err(|e| ApiError::validation("body", format!("malformed JSON ({e})")))?;
-        let value = serde_path_to_error::deserialize(&json).map_err(|e| {
+        // Typed from the bytes, not from `json`: a `Value` silently keeps the last of duplicate
+        // fields, while the typed parse refuses them, so no two readers can see different bodies.
+        let mut de = serde_json::Deserializer::from_slice(&bytes);
+        let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let path = e.path().to_string();
             ApiError::validation(&path, e.into_inner())
         })?;

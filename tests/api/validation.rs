@@ -34,6 +34,8 @@ fn invalid_order_bodies() -> Vec<(&'static str, String)> {
         ("JSON null", "null".to_owned()),
         ("JSON string", r#""order""#.to_owned()),
         ("trailing garbage", format!("{} x", line("1"))),
+        ("duplicate field", r#"{"order_id":"O-1","order_id":"O-2","action":"deduct","lines":[{"key":"sku-1","qty":1}]}"#.to_owned()),
+        ("duplicate line field", r#"{"order_id":"O-1","action":"deduct","lines":[{"key":"sku-1","qty":1,"qty":99}]}"#.to_owned()),
         ("unknown top-level field", r#"{"order_id":"O-1","action":"deduct","coupon":"FREE","lines":[{"key":"sku-1","qty":1}]}"#.to_owned()),
         ("unknown line field", r#"{"order_id":"O-1","action":"deduct","lines":[{"key":"sku-1","qty":1,"price":3}]}"#.to_owned()),
         ("qty 0", line("0")),

@@ -1,5 +1,5 @@
-//! The embedded SQLite backend (WAL). Writes go through one group-committing writer task
-//! ([`writer`]); reads use a pool of read connections that WAL lets run beside the writer.
+//! The embedded SQLite backend (WAL). Writes go through one group-committing writer thread
+//! ([`writer`], [`ops`]); reads use a pool of read connections that WAL lets run beside it.
 
 pub mod ops;
 pub mod writer;
@@ -14,15 +14,15 @@ use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{ConnectOptions, Row};
 
-use self::ops::{reservation_from_row, resource_from_row, RESOURCE_COLUMNS};
+use self::ops::RESOURCE_COLUMNS;
 use self::writer::{Writer, WriterLimits};
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, Storage, StorageError, TenantRecord, Transition,
 };
 use crate::engine::{
-    Counters, Drift, LedgerEntry, LedgerOp, LineResult, OrderDocument, OrderRequest, Plan, Reason, Reconciliation,
-    Reservation, ResourceKey, ResourceState, ResourceStatus, TenantId,
+    Counters, Drift, Kind, LedgerEntry, LedgerOp, LineResult, Mode, OrderDocument, OrderRequest, Plan, Reconciliation,
+    Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
 use crate::time::Timestamp;
 
@@ -41,7 +41,7 @@ pub struct SqliteSettings {
 pub struct SqliteStorage {
     read: SqlitePool,
     writer: Mutex<Option<Writer>>,
-    writer_task: tokio::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    writer_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
@@ -73,9 +73,10 @@ impl SqliteStorage {
             .connect_with(opts.clone())
             .await?;
         MIGRATOR.run(&read).await.map_err(|e| StorageError::Internal(format!("migration failed: {e}")))?;
-        let write_conn = opts.connect().await?;
-        let (writer, task) = Writer::start(write_conn, settings.writer);
-        Ok(Self { read, writer: Mutex::new(Some(writer)), writer_task: tokio::sync::Mutex::new(Some(task)) })
+        let write_conn = open_writer(opts.get_filename(), settings)?;
+        let (writer, thread) = Writer::start(write_conn, settings.writer)
+            .map_err(|e| StorageError::Internal(format!("cannot start the writer thread: {e}")))?;
+        Ok(Self { read, writer: Mutex::new(Some(writer)), writer_thread: Mutex::new(Some(thread)) })
     }
 
     /// Applies migrations and returns, for `stockd migrate`.
@@ -93,6 +94,47 @@ impl SqliteStorage {
             .clone()
             .ok_or_else(|| StorageError::Unavailable("shutting down".into()))
     }
+}
+
+/// The writer's own connection, with the same durability settings as the pool.
+fn open_writer(path: &Path, settings: &SqliteSettings) -> Result<rusqlite::Connection, StorageError> {
+    let conn = rusqlite::Connection::open(path)?;
+    conn.busy_timeout(settings.busy_timeout)?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "synchronous", if settings.synchronous_full { "FULL" } else { "NORMAL" })?;
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    // Room for every statement the writer prepares, so none is ever re-prepared.
+    conn.set_prepared_statement_cache_capacity(64);
+    Ok(conn)
+}
+
+fn resource_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ResourceState, StorageError> {
+    let corrupt = || StorageError::Internal("unexpected stored value in resources".into());
+    Ok(ResourceState {
+        key: row.try_get("key")?,
+        kind: Kind::from_db(row.try_get("kind")?).ok_or_else(corrupt)?,
+        status: ResourceStatus::from_db(row.try_get("status")?).ok_or_else(corrupt)?,
+        available: row.try_get("available")?,
+        reserved: row.try_get("reserved")?,
+        consumed: row.try_get("consumed")?,
+        total: row.try_get("total")?,
+        buckets: row.try_get("buckets")?,
+        mode: Mode::from_db(row.try_get("mode")?).ok_or_else(corrupt)?,
+        version: row.try_get("version")?,
+        updated_at: Timestamp(row.try_get("updated_at")?),
+    })
+}
+
+fn reservation_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<Reservation, StorageError> {
+    let corrupt = || StorageError::Internal("unexpected stored value in reservations".into());
+    let lines: String = row.try_get("lines")?;
+    Ok(Reservation {
+        id: row.try_get("id")?,
+        order_id: row.try_get("order_id")?,
+        state: ReservationState::from_db(row.try_get("state")?).ok_or_else(corrupt)?,
+        lines: serde_json::from_str(&lines).map_err(|_| corrupt())?,
+        expires_at: Timestamp(row.try_get("expires_at")?),
+    })
 }
 
 fn ledger_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<LedgerEntry, StorageError> {
@@ -127,31 +169,7 @@ impl Storage for SqliteStorage {
         now_ms: i64,
     ) -> Result<Insert, StorageError> {
         let (id, name, key) = (id.clone(), name.to_string(), key.clone());
-        self.writer()?
-            .submit(move |conn| {
-                Box::pin(async move {
-                    let created = sqlx::query(
-                        "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING",
-                    )
-                    .bind(id.as_str())
-                    .bind(&name)
-                    .bind(now_ms)
-                    .execute(&mut *conn)
-                    .await?;
-                    if created.rows_affected() == 0 {
-                        return Ok(Insert::AlreadyExists);
-                    }
-                    sqlx::query("INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES ($1, $2, $3, $4)")
-                        .bind(&key.id)
-                        .bind(id.as_str())
-                        .bind(&key.hash)
-                        .bind(now_ms)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok(Insert::Created)
-                })
-            })
-            .await
+        self.writer()?.submit(move |conn| ops::create_tenant(conn, &id, &name, &key, now_ms)).await
     }
 
     async fn list_tenants(&self) -> Result<Vec<TenantRecord>, StorageError> {
@@ -172,42 +190,12 @@ impl Storage for SqliteStorage {
 
     async fn add_api_key(&self, tenant: &TenantId, key: &NewApiKey, now_ms: i64) -> Result<Option<()>, StorageError> {
         let (tenant, key) = (tenant.clone(), key.clone());
-        self.writer()?
-            .submit(move |conn| {
-                Box::pin(async move {
-                    let added = sqlx::query(
-                        "INSERT INTO api_keys (id, tenant_id, hash, created_at)
-                         SELECT $1, id, $2, $3 FROM tenants WHERE id = $4",
-                    )
-                    .bind(&key.id)
-                    .bind(&key.hash)
-                    .bind(now_ms)
-                    .bind(tenant.as_str())
-                    .execute(&mut *conn)
-                    .await?;
-                    Ok((added.rows_affected() == 1).then_some(()))
-                })
-            })
-            .await
+        self.writer()?.submit(move |conn| ops::add_api_key(conn, &tenant, &key, now_ms)).await
     }
 
     async fn revoke_api_key(&self, tenant: &TenantId, key_id: &str, now_ms: i64) -> Result<Option<()>, StorageError> {
         let (tenant, key_id) = (tenant.clone(), key_id.to_string());
-        self.writer()?
-            .submit(move |conn| {
-                Box::pin(async move {
-                    let revoked = sqlx::query(
-                        "UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND tenant_id = $3 AND revoked_at IS NULL",
-                    )
-                    .bind(now_ms)
-                    .bind(&key_id)
-                    .bind(tenant.as_str())
-                    .execute(&mut *conn)
-                    .await?;
-                    Ok((revoked.rows_affected() == 1).then_some(()))
-                })
-            })
-            .await
+        self.writer()?.submit(move |conn| ops::revoke_api_key(conn, &tenant, &key_id, now_ms)).await
     }
 
     async fn find_api_key(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StorageError> {
@@ -232,29 +220,7 @@ impl Storage for SqliteStorage {
         now_ms: i64,
     ) -> Result<(), StorageError> {
         let (id, name, key_hash) = (id.clone(), name.to_string(), key_hash.to_string());
-        self.writer()?
-            .submit(move |conn| {
-                Box::pin(async move {
-                    sqlx::query("INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3) ON CONFLICT (id) DO UPDATE SET name = excluded.name")
-                        .bind(id.as_str())
-                        .bind(&name)
-                        .bind(now_ms)
-                        .execute(&mut *conn)
-                        .await?;
-                    sqlx::query(
-                        "INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES ($1, $2, $3, $4)
-                         ON CONFLICT (id) DO UPDATE SET hash = excluded.hash, revoked_at = NULL",
-                    )
-                    .bind(format!("cfg-{id}"))
-                    .bind(id.as_str())
-                    .bind(&key_hash)
-                    .bind(now_ms)
-                    .execute(&mut *conn)
-                    .await?;
-                    Ok(())
-                })
-            })
-            .await
+        self.writer()?.submit(move |conn| ops::ensure_config_tenant(conn, &id, &name, &key_hash, now_ms)).await
     }
 
     async fn create_resource(
@@ -264,7 +230,7 @@ impl Storage for SqliteStorage {
         now_ms: i64,
     ) -> Result<Option<ResourceState>, StorageError> {
         let (tenant, res) = (tenant.clone(), res.clone());
-        self.writer()?.submit(move |conn| Box::pin(ops::create_resource(conn, tenant, res, now_ms))).await
+        self.writer()?.submit(move |conn| ops::create_resource(conn, &tenant, &res, now_ms)).await
     }
 
     async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError> {
@@ -309,7 +275,7 @@ impl Storage for SqliteStorage {
         now_ms: i64,
     ) -> Result<Option<ResourceState>, StorageError> {
         let (tenant, key) = (tenant.clone(), key.clone());
-        self.writer()?.submit(move |conn| Box::pin(ops::set_resource_status(conn, tenant, key, status, now_ms))).await
+        self.writer()?.submit(move |conn| ops::set_resource_status(conn, &tenant, &key, status, now_ms)).await
     }
 
     async fn adjust(
@@ -321,7 +287,7 @@ impl Storage for SqliteStorage {
         now_ms: i64,
     ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError> {
         let (tenant, idem, key) = (tenant.clone(), idem.clone(), key.clone());
-        self.writer()?.submit(move |conn| Box::pin(ops::adjust(conn, tenant, idem, key, delta, now_ms))).await
+        self.writer()?.submit(move |conn| ops::adjust(conn, &tenant, &idem, &key, delta, now_ms)).await
     }
 
     async fn ledger_page(
@@ -355,7 +321,7 @@ impl Storage for SqliteStorage {
     }
 
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
-        self.writer()?.submit(move |conn| Box::pin(ops::execute_order(conn, job, now_ms))).await
+        self.writer()?.submit(move |conn| ops::execute_order(conn, &job, now_ms)).await
     }
 
     async fn preview_order(
@@ -372,23 +338,11 @@ impl Storage for SqliteStorage {
                 .bind(line.resource.as_str())
                 .fetch_optional(&mut *tx)
                 .await?;
-            let result = match row {
-                None => LineResult::Rejected(Reason::ResourceNotFound),
-                Some(row) => {
-                    let status: String = row.try_get("status")?;
-                    let kind: String = row.try_get("kind")?;
-                    let available: i64 = row.try_get("available")?;
-                    if line.kind.is_some_and(|k| k.as_str() != kind) {
-                        LineResult::Rejected(Reason::ResourceNotFound)
-                    } else if status != ResourceStatus::Active.as_str() {
-                        LineResult::Rejected(Reason::ResourceInactive)
-                    } else if available < line.qty {
-                        LineResult::Rejected(Reason::Insufficient)
-                    } else {
-                        LineResult::Applied
-                    }
-                }
+            let view = match row {
+                None => None,
+                Some(row) => Some((row.try_get("status")?, row.try_get("kind")?, row.try_get("available")?)),
             };
+            let result = ops::line_refusal(view, line).map_or(LineResult::Applied, LineResult::Rejected);
             results.push(result);
         }
         Ok(OrderDocument::build(order, plan, &results, None))
@@ -407,16 +361,16 @@ impl Storage for SqliteStorage {
 
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
         let (tenant, id) = (tenant.clone(), id.to_string());
-        self.writer()?.submit(move |conn| Box::pin(ops::confirm_reservation(conn, tenant, id, now_ms))).await
+        self.writer()?.submit(move |conn| ops::confirm_reservation(conn, &tenant, &id, now_ms)).await
     }
 
     async fn release_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
         let (tenant, id) = (tenant.clone(), id.to_string());
-        self.writer()?.submit(move |conn| Box::pin(ops::release_reservation(conn, tenant, id, now_ms))).await
+        self.writer()?.submit(move |conn| ops::release_reservation(conn, &tenant, &id, now_ms)).await
     }
 
     async fn expire_due(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
-        self.writer()?.submit(move |conn| Box::pin(ops::expire_due(conn, now_ms, limit))).await
+        self.writer()?.submit(move |conn| ops::expire_due(conn, now_ms, limit)).await
     }
 
     async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {
@@ -477,7 +431,7 @@ impl Storage for SqliteStorage {
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
-        self.writer()?.submit(move |conn| Box::pin(ops::purge_idempotency(conn, before_ms, limit))).await
+        self.writer()?.submit(move |conn| ops::purge_idempotency(conn, before_ms, limit)).await
     }
 
     async fn close(&self) {
@@ -485,8 +439,9 @@ impl Storage for SqliteStorage {
         if let Ok(mut w) = self.writer.lock() {
             w.take();
         }
-        if let Some(task) = self.writer_task.lock().await.take() {
-            let _ = task.await;
+        let thread = self.writer_thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(thread) = thread {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
         self.read.close().await;
     }

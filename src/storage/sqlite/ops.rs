@@ -1,9 +1,10 @@
-//! The SQLite write operations, each run by the writer inside its own savepoint. Every deduction
-//! is a guarded UPDATE judged by the row it returns; every state change writes its ledger row
-//! in the same transaction; every idempotent request stores its response there too.
+//! The SQLite write operations, each run by the writer thread inside its own savepoint. Every
+//! deduction is a guarded UPDATE judged by the row it returns; every state change writes its
+//! ledger row in the same transaction; every idempotent request stores its response there too.
+//! Statements are prepared once per connection (`prepare_cached`) and run in-process on the
+//! writer thread, so an order costs a few microseconds of SQLite work and no thread hops.
 
-use sqlx::sqlite::SqliteRow;
-use sqlx::{Executor, Row, SqliteConnection};
+use rusqlite::{params, Connection, OptionalExtension, Row};
 use ulid::Ulid;
 
 use crate::engine::order::decide;
@@ -13,48 +14,98 @@ use crate::engine::{
 };
 use crate::problem::Problem;
 use crate::storage::{
-    AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, NewResource, OrderExecution, OrderJob, StorageError,
-    StoredResponse, Transition,
+    AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
+    OrderJob, StorageError, StoredResponse, Transition,
 };
 use crate::time::Timestamp;
 
 pub const RESOURCE_COLUMNS: &str =
     "key, kind, status, available, reserved, consumed, total, buckets, mode, version, updated_at";
 
+impl From<rusqlite::Error> for StorageError {
+    fn from(err: rusqlite::Error) -> Self {
+        use rusqlite::ErrorCode as C;
+        match err.sqlite_error_code() {
+            Some(
+                C::DatabaseBusy
+                | C::DatabaseLocked
+                | C::SystemIoFailure
+                | C::DiskFull
+                | C::CannotOpen
+                | C::FileLockingProtocolFailed
+                | C::OutOfMemory,
+            ) => StorageError::Unavailable(err.to_string()),
+            _ => StorageError::Internal(err.to_string()),
+        }
+    }
+}
+
 fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
 }
 
-pub fn resource_from_row(row: &SqliteRow) -> Result<ResourceState, StorageError> {
-    Ok(ResourceState {
-        key: row.try_get("key")?,
-        kind: Kind::from_db(row.try_get("kind")?).ok_or_else(|| corrupt("resources.kind"))?,
-        status: ResourceStatus::from_db(row.try_get("status")?).ok_or_else(|| corrupt("resources.status"))?,
-        available: row.try_get("available")?,
-        reserved: row.try_get("reserved")?,
-        consumed: row.try_get("consumed")?,
-        total: row.try_get("total")?,
-        buckets: row.try_get("buckets")?,
-        mode: Mode::from_db(row.try_get("mode")?).ok_or_else(|| corrupt("resources.mode"))?,
-        version: row.try_get("version")?,
-        updated_at: Timestamp(row.try_get("updated_at")?),
-    })
+fn resource_from_row(row: &Row<'_>) -> rusqlite::Result<Result<ResourceState, StorageError>> {
+    let kind: String = row.get("kind")?;
+    let status: String = row.get("status")?;
+    let mode: String = row.get("mode")?;
+    let (Some(kind), Some(status), Some(mode)) =
+        (Kind::from_db(&kind), ResourceStatus::from_db(&status), Mode::from_db(&mode))
+    else {
+        return Ok(Err(corrupt("resources")));
+    };
+    Ok(Ok(ResourceState {
+        key: row.get("key")?,
+        kind,
+        status,
+        available: row.get("available")?,
+        reserved: row.get("reserved")?,
+        consumed: row.get("consumed")?,
+        total: row.get("total")?,
+        buckets: row.get("buckets")?,
+        mode,
+        version: row.get("version")?,
+        updated_at: Timestamp(row.get("updated_at")?),
+    }))
 }
 
-pub fn reservation_from_row(row: &SqliteRow) -> Result<Reservation, StorageError> {
-    let lines: String = row.try_get("lines")?;
-    Ok(Reservation {
-        id: row.try_get("id")?,
-        order_id: row.try_get("order_id")?,
-        state: ReservationState::from_db(row.try_get("state")?).ok_or_else(|| corrupt("reservations.state"))?,
-        lines: serde_json::from_str(&lines).map_err(|_| corrupt("reservations.lines"))?,
-        expires_at: Timestamp(row.try_get("expires_at")?),
-    })
+fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Reservation, StorageError>> {
+    let state: String = row.get("state")?;
+    let lines: String = row.get("lines")?;
+    let (Some(state), Ok(lines)) = (ReservationState::from_db(&state), serde_json::from_str(&lines)) else {
+        return Ok(Err(corrupt("reservations")));
+    };
+    Ok(Ok(Reservation {
+        id: row.get("id")?,
+        order_id: row.get("order_id")?,
+        state,
+        lines,
+        expires_at: Timestamp(row.get("expires_at")?),
+    }))
 }
 
 /// A new identity for one business action; the ledger's unique key includes it.
 pub fn new_request_id() -> String {
     format!("req_{}", Ulid::new())
+}
+
+/// Counters a guarded UPDATE returned, for the ledger row.
+#[derive(Debug, Clone, Copy)]
+struct After {
+    available: i64,
+    reserved: i64,
+    consumed: i64,
+    version: i64,
+}
+
+impl After {
+    fn from_row(row: &Row<'_>) -> rusqlite::Result<Self> {
+        Ok(Self {
+            available: row.get("available")?,
+            reserved: row.get("reserved")?,
+            consumed: row.get("consumed")?,
+            version: row.get("version")?,
+        })
+    }
 }
 
 /// What the ledger row of one change records besides the counters.
@@ -70,111 +121,161 @@ struct LedgerFacts<'a> {
     now_ms: i64,
 }
 
-/// Appends a ledger row carrying the counters the guarded UPDATE returned.
-async fn append_ledger(
-    conn: &mut SqliteConnection,
-    facts: LedgerFacts<'_>,
-    after: &SqliteRow,
-) -> Result<(), StorageError> {
-    let available: i64 = after.try_get("available")?;
-    let reserved: i64 = after.try_get("reserved")?;
-    let consumed: i64 = after.try_get("consumed")?;
-    let version: i64 = after.try_get("version")?;
-    sqlx::query(
+fn append_ledger(conn: &Connection, f: LedgerFacts<'_>, after: After) -> Result<(), StorageError> {
+    conn.prepare_cached(
         "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
                              available_after, reserved_after, consumed_after, version_after, plugin_version, at)
-         VALUES ($1, $2, 0, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
-    )
-    .bind(facts.tenant)
-    .bind(facts.resource)
-    .bind(facts.op.as_str())
-    .bind(facts.qty)
-    .bind(facts.request_id)
-    .bind(facts.order_id)
-    .bind(facts.reservation_id)
-    .bind(available)
-    .bind(reserved)
-    .bind(consumed)
-    .bind(version)
-    .bind(facts.plugin_version)
-    .bind(facts.now_ms)
-    .execute(&mut *conn)
-    .await?;
+         VALUES (?1, ?2, 0, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+    )?
+    .execute(params![
+        f.tenant,
+        f.resource,
+        f.op.as_str(),
+        f.qty,
+        f.request_id,
+        f.order_id,
+        f.reservation_id,
+        after.available,
+        after.reserved,
+        after.consumed,
+        after.version,
+        f.plugin_version,
+        f.now_ms
+    ])?;
     Ok(())
 }
 
 /// The first outcome of an idempotency key, if it was used before.
-async fn idempotency_lookup(
-    conn: &mut SqliteConnection,
+fn idempotency_lookup(
+    conn: &Connection,
     tenant: &TenantId,
     idem: &IdempotencyRequest,
 ) -> Result<Option<Idempotent>, StorageError> {
-    let row = sqlx::query(
-        "SELECT request_hash, response_code, response_type, response_body FROM idempotency
-         WHERE tenant_id = $1 AND key = $2",
-    )
-    .bind(tenant.as_str())
-    .bind(idem.key.as_str())
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some(row) = row else { return Ok(None) };
-    let hash: String = row.try_get("request_hash")?;
+    let row = conn
+        .prepare_cached(
+            "SELECT request_hash, response_code, response_type, response_body FROM idempotency
+             WHERE tenant_id = ?1 AND key = ?2",
+        )?
+        .query_row(params![tenant.as_str(), idem.key.as_str()], |row| {
+            Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?, row.get::<_, String>(2)?, row.get::<_, String>(3)?))
+        })
+        .optional()?;
+    let Some((hash, status, kind, body)) = row else { return Ok(None) };
     if hash != idem.request_hash {
         return Ok(Some(Idempotent::Mismatch));
     }
-    let status: i64 = row.try_get("response_code")?;
-    let kind: String = row.try_get("response_type")?;
     Ok(Some(Idempotent::Replayed(StoredResponse {
         status: u16::try_from(status).map_err(|_| corrupt("idempotency.response_code"))?,
         content_type: ContentType::from_db(&kind),
-        body: row.try_get("response_body")?,
+        body,
     })))
 }
 
-async fn idempotency_store(
-    conn: &mut SqliteConnection,
+fn idempotency_store(
+    conn: &Connection,
     tenant: &TenantId,
     idem: &IdempotencyRequest,
     response: &StoredResponse,
     now_ms: i64,
 ) -> Result<(), StorageError> {
-    sqlx::query(
+    conn.prepare_cached(
         "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body, created_at)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
-    )
-    .bind(tenant.as_str())
-    .bind(idem.key.as_str())
-    .bind(&idem.request_hash)
-    .bind(i64::from(response.status))
-    .bind(response.content_type.as_str())
-    .bind(&response.body)
-    .bind(now_ms)
-    .execute(&mut *conn)
-    .await?;
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    )?
+    .execute(params![
+        tenant.as_str(),
+        idem.key.as_str(),
+        idem.request_hash,
+        i64::from(response.status),
+        response.content_type.as_str(),
+        response.body,
+        now_ms
+    ])?;
     Ok(())
 }
 
-pub async fn create_resource(
-    conn: &mut SqliteConnection,
-    tenant: TenantId,
-    res: NewResource,
+pub fn create_tenant(
+    conn: &Connection,
+    id: &TenantId,
+    name: &str,
+    key: &NewApiKey,
+    now_ms: i64,
+) -> Result<Insert, StorageError> {
+    let created = conn
+        .prepare_cached("INSERT INTO tenants (id, name, created_at) VALUES (?1, ?2, ?3) ON CONFLICT (id) DO NOTHING")?
+        .execute(params![id.as_str(), name, now_ms])?;
+    if created == 0 {
+        return Ok(Insert::AlreadyExists);
+    }
+    conn.prepare_cached("INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES (?1, ?2, ?3, ?4)")?
+        .execute(params![key.id, id.as_str(), key.hash, now_ms])?;
+    Ok(Insert::Created)
+}
+
+pub fn add_api_key(
+    conn: &Connection,
+    tenant: &TenantId,
+    key: &NewApiKey,
+    now_ms: i64,
+) -> Result<Option<()>, StorageError> {
+    let added = conn
+        .prepare_cached(
+            "INSERT INTO api_keys (id, tenant_id, hash, created_at) SELECT ?1, id, ?2, ?3 FROM tenants WHERE id = ?4",
+        )?
+        .execute(params![key.id, key.hash, now_ms, tenant.as_str()])?;
+    Ok((added == 1).then_some(()))
+}
+
+pub fn revoke_api_key(
+    conn: &Connection,
+    tenant: &TenantId,
+    key_id: &str,
+    now_ms: i64,
+) -> Result<Option<()>, StorageError> {
+    let revoked = conn
+        .prepare_cached("UPDATE api_keys SET revoked_at = ?1 WHERE id = ?2 AND tenant_id = ?3 AND revoked_at IS NULL")?
+        .execute(params![now_ms, key_id, tenant.as_str()])?;
+    Ok((revoked == 1).then_some(()))
+}
+
+pub fn ensure_config_tenant(
+    conn: &Connection,
+    id: &TenantId,
+    name: &str,
+    key_hash: &str,
+    now_ms: i64,
+) -> Result<(), StorageError> {
+    conn.prepare_cached(
+        "INSERT INTO tenants (id, name, created_at) VALUES (?1, ?2, ?3) ON CONFLICT (id) DO UPDATE SET name = excluded.name",
+    )?
+    .execute(params![id.as_str(), name, now_ms])?;
+    conn.prepare_cached(
+        "INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT (id) DO UPDATE SET hash = excluded.hash, revoked_at = NULL",
+    )?
+    .execute(params![format!("cfg-{id}"), id.as_str(), key_hash, now_ms])?;
+    Ok(())
+}
+
+pub fn create_resource(
+    conn: &Connection,
+    tenant: &TenantId,
+    res: &NewResource,
     now_ms: i64,
 ) -> Result<Option<ResourceState>, StorageError> {
-    let row = sqlx::query(&format!(
-        "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
-                                version, created_at, updated_at)
-         VALUES ($1, $2, $3, 'active', 'db', 1, $4, $4, 0, 0, 1, $5, $5)
-         ON CONFLICT (tenant_id, key) DO NOTHING
-         RETURNING {RESOURCE_COLUMNS}"
-    ))
-    .bind(tenant.as_str())
-    .bind(res.key.as_str())
-    .bind(res.kind.as_str())
-    .bind(res.total)
-    .bind(now_ms)
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some(row) = row else { return Ok(None) };
+    let row = conn
+        .prepare_cached(&format!(
+            "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
+                                    version, created_at, updated_at)
+             VALUES (?1, ?2, ?3, 'active', 'db', 1, ?4, ?4, 0, 0, 1, ?5, ?5)
+             ON CONFLICT (tenant_id, key) DO NOTHING
+             RETURNING {RESOURCE_COLUMNS}"
+        ))?
+        .query_row(params![tenant.as_str(), res.key.as_str(), res.kind.as_str(), res.total, now_ms], |row| {
+            Ok((resource_from_row(row)?, After::from_row(row)?))
+        })
+        .optional()?;
+    let Some((state, after)) = row else { return Ok(None) };
     let facts = LedgerFacts {
         tenant: tenant.as_str(),
         resource: res.key.as_str(),
@@ -186,54 +287,48 @@ pub async fn create_resource(
         plugin_version: None,
         now_ms,
     };
-    append_ledger(conn, facts, &row).await?;
-    resource_from_row(&row).map(Some)
+    append_ledger(conn, facts, after)?;
+    state.map(Some)
 }
 
-pub async fn set_resource_status(
-    conn: &mut SqliteConnection,
-    tenant: TenantId,
-    key: ResourceKey,
+pub fn set_resource_status(
+    conn: &Connection,
+    tenant: &TenantId,
+    key: &ResourceKey,
     status: ResourceStatus,
     now_ms: i64,
 ) -> Result<Option<ResourceState>, StorageError> {
-    let row = sqlx::query(&format!(
-        "UPDATE resources SET status = $1, updated_at = $2 WHERE tenant_id = $3 AND key = $4 RETURNING {RESOURCE_COLUMNS}"
-    ))
-    .bind(status.as_str())
-    .bind(now_ms)
-    .bind(tenant.as_str())
-    .bind(key.as_str())
-    .fetch_optional(&mut *conn)
-    .await?;
-    row.as_ref().map(resource_from_row).transpose()
+    conn.prepare_cached(&format!(
+        "UPDATE resources SET status = ?1, updated_at = ?2 WHERE tenant_id = ?3 AND key = ?4 RETURNING {RESOURCE_COLUMNS}"
+    ))?
+    .query_row(params![status.as_str(), now_ms, tenant.as_str(), key.as_str()], resource_from_row)
+    .optional()?
+    .transpose()
 }
 
-pub async fn adjust(
-    conn: &mut SqliteConnection,
-    tenant: TenantId,
-    idem: IdempotencyRequest,
-    key: ResourceKey,
+pub fn adjust(
+    conn: &Connection,
+    tenant: &TenantId,
+    idem: &IdempotencyRequest,
+    key: &ResourceKey,
     delta: i64,
     now_ms: i64,
 ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError> {
-    if let Some(previous) = idempotency_lookup(conn, &tenant, &idem).await? {
+    if let Some(previous) = idempotency_lookup(conn, tenant, idem)? {
         return Ok(Ok(previous));
     }
-    let row = sqlx::query(&format!(
-        "UPDATE resources SET available = available + $1, total = total + $1, version = version + 1, updated_at = $2
-         WHERE tenant_id = $3 AND key = $4 AND available + $1 >= 0 AND total + $1 <= $5
-         RETURNING {RESOURCE_COLUMNS}"
-    ))
-    .bind(delta)
-    .bind(now_ms)
-    .bind(tenant.as_str())
-    .bind(key.as_str())
-    .bind(MAX_TOTAL)
-    .fetch_optional(&mut *conn)
-    .await?;
+    let row = conn
+        .prepare_cached(&format!(
+            "UPDATE resources SET available = available + ?1, total = total + ?1, version = version + 1, updated_at = ?2
+             WHERE tenant_id = ?3 AND key = ?4 AND available + ?1 >= 0 AND total + ?1 <= ?5
+             RETURNING {RESOURCE_COLUMNS}"
+        ))?
+        .query_row(params![delta, now_ms, tenant.as_str(), key.as_str(), MAX_TOTAL], |row| {
+            Ok((resource_from_row(row)?, After::from_row(row)?))
+        })
+        .optional()?;
     let response = match row {
-        Some(row) => {
+        Some((state, after)) => {
             let request_id = new_request_id();
             let facts = LedgerFacts {
                 tenant: tenant.as_str(),
@@ -246,17 +341,15 @@ pub async fn adjust(
                 plugin_version: None,
                 now_ms,
             };
-            append_ledger(conn, facts, &row).await?;
-            StoredResponse::json(200, &resource_from_row(&row)?)?
+            append_ledger(conn, facts, after)?;
+            StoredResponse::json(200, &state?)?
         }
         None => {
-            let current = sqlx::query("SELECT available, total FROM resources WHERE tenant_id = $1 AND key = $2")
-                .bind(tenant.as_str())
-                .bind(key.as_str())
-                .fetch_optional(&mut *conn)
-                .await?;
-            let Some(current) = current else { return Ok(Err(AdjustRefusal::ResourceNotFound)) };
-            let available: i64 = current.try_get("available")?;
+            let available = conn
+                .prepare_cached("SELECT available FROM resources WHERE tenant_id = ?1 AND key = ?2")?
+                .query_row(params![tenant.as_str(), key.as_str()], |row| row.get::<_, i64>(0))
+                .optional()?;
+            let Some(available) = available else { return Ok(Err(AdjustRefusal::ResourceNotFound)) };
             let problem = if delta < 0 {
                 Problem::new(
                     409,
@@ -275,38 +368,43 @@ pub async fn adjust(
             StoredResponse::problem(&problem)?
         }
     };
-    idempotency_store(conn, &tenant, &idem, &response, now_ms).await?;
+    idempotency_store(conn, tenant, idem, &response, now_ms)?;
     Ok(Ok(Idempotent::Fresh(response)))
 }
 
-const DEDUCT_SQL: &str = "UPDATE resources SET available = available - $1, consumed = consumed + $1,
-        version = version + 1, updated_at = $2
-    WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1 AND ($5 IS NULL OR kind = $5)
+const DEDUCT_SQL: &str = "UPDATE resources SET available = available - ?1, consumed = consumed + ?1,
+        version = version + 1, updated_at = ?2
+    WHERE tenant_id = ?3 AND key = ?4 AND status = 'active' AND available >= ?1 AND (?5 IS NULL OR kind = ?5)
     RETURNING available, reserved, consumed, version";
-const RESERVE_SQL: &str = "UPDATE resources SET available = available - $1, reserved = reserved + $1,
-        version = version + 1, updated_at = $2
-    WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1 AND ($5 IS NULL OR kind = $5)
+const RESERVE_SQL: &str = "UPDATE resources SET available = available - ?1, reserved = reserved + ?1,
+        version = version + 1, updated_at = ?2
+    WHERE tenant_id = ?3 AND key = ?4 AND status = 'active' AND available >= ?1 AND (?5 IS NULL OR kind = ?5)
     RETURNING available, reserved, consumed, version";
 
-/// Why a guarded UPDATE matched no row: the line's reason.
-async fn refusal_reason(
-    conn: &mut SqliteConnection,
-    tenant: &TenantId,
-    line: &PlannedLine,
-) -> Result<Reason, StorageError> {
-    let row = sqlx::query("SELECT status, kind FROM resources WHERE tenant_id = $1 AND key = $2")
-        .bind(tenant.as_str())
-        .bind(line.resource.as_str())
-        .fetch_optional(&mut *conn)
-        .await?;
-    let Some(row) = row else { return Ok(Reason::ResourceNotFound) };
-    let status: String = row.try_get("status")?;
-    let kind: String = row.try_get("kind")?;
-    Ok(match line.kind {
-        Some(expected) if expected.as_str() != kind => Reason::ResourceNotFound,
-        _ if status != ResourceStatus::Active.as_str() => Reason::ResourceInactive,
-        _ => Reason::Insufficient,
-    })
+/// Why a line cannot apply, judged from the resource's current row (`None`: it can).
+pub fn line_refusal(row: Option<(String, String, i64)>, line: &PlannedLine) -> Option<Reason> {
+    let Some((status, kind, available)) = row else { return Some(Reason::ResourceNotFound) };
+    if line.kind.is_some_and(|k| k.as_str() != kind) {
+        Some(Reason::ResourceNotFound)
+    } else if status != ResourceStatus::Active.as_str() {
+        Some(Reason::ResourceInactive)
+    } else if available < line.qty {
+        Some(Reason::Insufficient)
+    } else {
+        None
+    }
+}
+
+/// The `(status, kind, available)` of a resource, for judging lines.
+pub fn line_view(
+    conn: &Connection,
+    tenant: &str,
+    resource: &str,
+) -> Result<Option<(String, String, i64)>, StorageError> {
+    Ok(conn
+        .prepare_cached("SELECT status, kind, available FROM resources WHERE tenant_id = ?1 AND key = ?2")?
+        .query_row(params![tenant, resource], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+        .optional()?)
 }
 
 /// Identity shared by every ledger row of one order.
@@ -320,25 +418,23 @@ struct OrderFacts<'a> {
     now_ms: i64,
 }
 
-async fn apply_line(
-    conn: &mut SqliteConnection,
-    facts: &OrderFacts<'_>,
-    line: &PlannedLine,
-) -> Result<LineResult, StorageError> {
+fn apply_line(conn: &Connection, facts: &OrderFacts<'_>, line: &PlannedLine) -> Result<LineResult, StorageError> {
     let (sql, op) = match facts.action {
         Action::Deduct => (DEDUCT_SQL, LedgerOp::Deduct),
         Action::Reserve => (RESERVE_SQL, LedgerOp::Reserve),
     };
-    let row = sqlx::query(sql)
-        .bind(line.qty)
-        .bind(facts.now_ms)
-        .bind(facts.tenant.as_str())
-        .bind(line.resource.as_str())
-        .bind(line.kind.map(Kind::as_str))
-        .fetch_optional(&mut *conn)
-        .await?;
-    let Some(row) = row else {
-        return Ok(LineResult::Rejected(refusal_reason(conn, facts.tenant, line).await?));
+    let after = conn
+        .prepare_cached(sql)?
+        .query_row(
+            params![line.qty, facts.now_ms, facts.tenant.as_str(), line.resource.as_str(), line.kind.map(Kind::as_str)],
+            After::from_row,
+        )
+        .optional()?;
+    let Some(after) = after else {
+        let view = line_view(conn, facts.tenant.as_str(), line.resource.as_str())?;
+        // The guarded UPDATE refused, so some reason applies; `insufficient` if the row changed
+        // shape in between (it cannot: this connection is the only writer).
+        return Ok(LineResult::Rejected(line_refusal(view, line).unwrap_or(Reason::Insufficient)));
     };
     let ledger = LedgerFacts {
         tenant: facts.tenant.as_str(),
@@ -351,16 +447,12 @@ async fn apply_line(
         plugin_version: facts.plugin_version,
         now_ms: facts.now_ms,
     };
-    append_ledger(conn, ledger, &row).await?;
+    append_ledger(conn, ledger, after)?;
     Ok(LineResult::Applied)
 }
 
-pub async fn execute_order(
-    conn: &mut SqliteConnection,
-    job: OrderJob,
-    now_ms: i64,
-) -> Result<OrderExecution, StorageError> {
-    if let Some(previous) = idempotency_lookup(conn, &job.tenant, &job.idempotency).await? {
+pub fn execute_order(conn: &Connection, job: &OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
+    if let Some(previous) = idempotency_lookup(conn, &job.tenant, &job.idempotency)? {
         return Ok(OrderExecution { response: previous, outcome: None });
     }
     let request_id = new_request_id();
@@ -382,31 +474,33 @@ pub async fn execute_order(
     // A single line that fails changed nothing, so only multi-line orders need a savepoint.
     let nested = job.plan.lines.len() > 1;
     if nested {
-        conn.execute("SAVEPOINT lines").await?;
+        conn.prepare_cached("SAVEPOINT lines")?.execute([])?;
     }
     let mut results = vec![LineResult::Applied; job.plan.lines.len()];
     for i in sequence {
-        results[i] = apply_line(conn, &facts, &job.plan.lines[i]).await?;
+        results[i] = apply_line(conn, &facts, &job.plan.lines[i])?;
     }
     let status = decide(job.plan.policy, &results);
     if nested {
-        let end = if status == OrderStatus::Rejected { "ROLLBACK TO lines; RELEASE lines" } else { "RELEASE lines" };
-        conn.execute(end).await?;
+        if status == OrderStatus::Rejected {
+            conn.prepare_cached("ROLLBACK TO lines")?.execute([])?;
+        }
+        conn.prepare_cached("RELEASE lines")?.execute([])?;
     }
     if status != OrderStatus::Rejected {
         if let Some((id, expires_at)) = &reservation {
-            insert_reservation(conn, &job, &results, id, *expires_at, now_ms).await?;
+            insert_reservation(conn, job, &results, id, *expires_at, now_ms)?;
         }
     }
     let document = OrderDocument::build(&job.order, &job.plan, &results, reservation);
     let code = if status == OrderStatus::Rejected { 409 } else { 201 };
     let response = StoredResponse::json(code, &document)?;
-    idempotency_store(conn, &job.tenant, &job.idempotency, &response, now_ms).await?;
+    idempotency_store(conn, &job.tenant, &job.idempotency, &response, now_ms)?;
     Ok(OrderExecution { response: Idempotent::Fresh(response), outcome: Some((status, results)) })
 }
 
-async fn insert_reservation(
-    conn: &mut SqliteConnection,
+fn insert_reservation(
+    conn: &Connection,
     job: &OrderJob,
     results: &[LineResult],
     id: &str,
@@ -426,85 +520,65 @@ async fn insert_reservation(
         })
         .collect();
     let lines = serde_json::to_string(&lines).map_err(|e| StorageError::Internal(e.to_string()))?;
-    sqlx::query(
+    conn.prepare_cached(
         "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
-         VALUES ($1, $2, $3, 'held', $4, $5, $6, $6)",
-    )
-    .bind(job.tenant.as_str())
-    .bind(id)
-    .bind(job.order.order_id.as_str())
-    .bind(lines)
-    .bind(expires_at.0)
-    .bind(now_ms)
-    .execute(&mut *conn)
-    .await?;
+         VALUES (?1, ?2, ?3, 'held', ?4, ?5, ?6, ?6)",
+    )?
+    .execute(params![job.tenant.as_str(), id, job.order.order_id.as_str(), lines, expires_at.0, now_ms])?;
     Ok(())
 }
 
-async fn load_reservation(
-    conn: &mut SqliteConnection,
-    tenant: &str,
-    id: &str,
-) -> Result<Option<Reservation>, StorageError> {
-    let row =
-        sqlx::query("SELECT id, order_id, state, lines, expires_at FROM reservations WHERE tenant_id = $1 AND id = $2")
-            .bind(tenant)
-            .bind(id)
-            .fetch_optional(&mut *conn)
-            .await?;
-    row.as_ref().map(reservation_from_row).transpose()
+fn load_reservation(conn: &Connection, tenant: &str, id: &str) -> Result<Option<Reservation>, StorageError> {
+    conn.prepare_cached(
+        "SELECT id, order_id, state, lines, expires_at FROM reservations WHERE tenant_id = ?1 AND id = ?2",
+    )?
+    .query_row(params![tenant, id], reservation_from_row)
+    .optional()?
+    .transpose()
 }
 
-/// Moves a held reservation to `to` (confirmed, released or expired): its lines leave
-/// `reserved`, each with a ledger row, and the state changes only if it is still `held`.
-async fn finish_reservation(
-    conn: &mut SqliteConnection,
+const CONFIRM_SQL: &str =
+    "UPDATE resources SET reserved = reserved - ?1, consumed = consumed + ?1, version = version + 1,
+        updated_at = ?2
+    WHERE tenant_id = ?3 AND key = ?4 AND reserved >= ?1 RETURNING available, reserved, consumed, version";
+const UNRESERVE_SQL: &str =
+    "UPDATE resources SET reserved = reserved - ?1, available = available + ?1, version = version + 1,
+        updated_at = ?2
+    WHERE tenant_id = ?3 AND key = ?4 AND reserved >= ?1 RETURNING available, reserved, consumed, version";
+
+/// Moves a held reservation to `to` (confirmed, released or expired): the state changes only
+/// if it is still `held`, and its lines leave `reserved`, each with a ledger row.
+fn finish_reservation(
+    conn: &Connection,
     tenant: &str,
     mut reservation: Reservation,
     to: ReservationState,
     now_ms: i64,
 ) -> Result<Reservation, StorageError> {
     let (op, sql) = match to {
-        ReservationState::Confirmed => (
-            LedgerOp::Confirm,
-            "UPDATE resources SET reserved = reserved - $1, consumed = consumed + $1, version = version + 1, updated_at = $2
-             WHERE tenant_id = $3 AND key = $4 AND reserved >= $1 RETURNING available, reserved, consumed, version",
-        ),
-        ReservationState::Released | ReservationState::Expired => (
-            if to == ReservationState::Released { LedgerOp::Release } else { LedgerOp::Expire },
-            "UPDATE resources SET reserved = reserved - $1, available = available + $1, version = version + 1, updated_at = $2
-             WHERE tenant_id = $3 AND key = $4 AND reserved >= $1 RETURNING available, reserved, consumed, version",
-        ),
+        ReservationState::Confirmed => (LedgerOp::Confirm, CONFIRM_SQL),
+        ReservationState::Released => (LedgerOp::Release, UNRESERVE_SQL),
+        ReservationState::Expired => (LedgerOp::Expire, UNRESERVE_SQL),
         ReservationState::Held => return Err(StorageError::Internal("a reservation cannot move back to held".into())),
     };
-    let moved = sqlx::query(
-        "UPDATE reservations SET state = $1, updated_at = $2 WHERE tenant_id = $3 AND id = $4 AND state = 'held'",
-    )
-    .bind(to.as_str())
-    .bind(now_ms)
-    .bind(tenant)
-    .bind(&reservation.id)
-    .execute(&mut *conn)
-    .await?;
-    if moved.rows_affected() != 1 {
+    let moved = conn
+        .prepare_cached(
+            "UPDATE reservations SET state = ?1, updated_at = ?2 WHERE tenant_id = ?3 AND id = ?4 AND state = 'held'",
+        )?
+        .execute(params![to.as_str(), now_ms, tenant, reservation.id])?;
+    if moved != 1 {
         return Err(StorageError::Internal(format!("reservation {} was not held", reservation.id)));
     }
     let mut lines = reservation.lines.clone();
     lines.sort_by(|a, b| a.resource.cmp(&b.resource));
     for line in &lines {
-        let row = sqlx::query(sql)
-            .bind(line.qty)
-            .bind(now_ms)
-            .bind(tenant)
-            .bind(&line.resource)
-            .fetch_optional(&mut *conn)
-            .await?;
-        let Some(row) = row else {
-            return Err(StorageError::Internal(format!(
-                "resource of reservation {} holds less than reserved",
-                reservation.id
-            )));
-        };
+        let after = conn
+            .prepare_cached(sql)?
+            .query_row(params![line.qty, now_ms, tenant, line.resource], After::from_row)
+            .optional()?
+            .ok_or_else(|| {
+                StorageError::Internal(format!("resource of reservation {} holds less than reserved", reservation.id))
+            })?;
         let facts = LedgerFacts {
             tenant,
             resource: &line.resource,
@@ -516,83 +590,81 @@ async fn finish_reservation(
             plugin_version: None,
             now_ms,
         };
-        append_ledger(conn, facts, &row).await?;
+        append_ledger(conn, facts, after)?;
     }
     reservation.state = to;
     Ok(reservation)
 }
 
-pub async fn confirm_reservation(
-    conn: &mut SqliteConnection,
-    tenant: TenantId,
-    id: String,
+pub fn confirm_reservation(
+    conn: &Connection,
+    tenant: &TenantId,
+    id: &str,
     now_ms: i64,
 ) -> Result<Transition, StorageError> {
-    let Some(reservation) = load_reservation(conn, tenant.as_str(), &id).await? else {
-        return Ok(Transition::NotFound);
-    };
+    let Some(reservation) = load_reservation(conn, tenant.as_str(), id)? else { return Ok(Transition::NotFound) };
     Ok(match reservation.state {
         ReservationState::Confirmed => Transition::Done(reservation),
         ReservationState::Released | ReservationState::Expired => Transition::Refused(reservation.state, reservation),
-        // Past its deadline but not yet swept: it is expired, and expiring it now keeps the
-        // sweeper from racing a late confirm.
+        // Past its deadline but not yet swept: it is expired. Expiring it here keeps a late
+        // confirm from winning a race with the sweeper.
         ReservationState::Held if reservation.expires_at.0 <= now_ms => {
-            let expired =
-                finish_reservation(conn, tenant.as_str(), reservation, ReservationState::Expired, now_ms).await?;
+            let expired = finish_reservation(conn, tenant.as_str(), reservation, ReservationState::Expired, now_ms)?;
             metrics::counter!("stockd_reservations_expired_total").increment(1);
             Transition::Refused(ReservationState::Expired, expired)
         }
-        ReservationState::Held => Transition::Done(
-            finish_reservation(conn, tenant.as_str(), reservation, ReservationState::Confirmed, now_ms).await?,
-        ),
+        ReservationState::Held => Transition::Done(finish_reservation(
+            conn,
+            tenant.as_str(),
+            reservation,
+            ReservationState::Confirmed,
+            now_ms,
+        )?),
     })
 }
 
-pub async fn release_reservation(
-    conn: &mut SqliteConnection,
-    tenant: TenantId,
-    id: String,
+pub fn release_reservation(
+    conn: &Connection,
+    tenant: &TenantId,
+    id: &str,
     now_ms: i64,
 ) -> Result<Transition, StorageError> {
-    let Some(reservation) = load_reservation(conn, tenant.as_str(), &id).await? else {
-        return Ok(Transition::NotFound);
-    };
+    let Some(reservation) = load_reservation(conn, tenant.as_str(), id)? else { return Ok(Transition::NotFound) };
     Ok(match reservation.state {
         ReservationState::Released | ReservationState::Expired => Transition::Done(reservation),
         ReservationState::Confirmed => Transition::Refused(ReservationState::Confirmed, reservation),
-        ReservationState::Held => Transition::Done(
-            finish_reservation(conn, tenant.as_str(), reservation, ReservationState::Released, now_ms).await?,
-        ),
+        ReservationState::Held => Transition::Done(finish_reservation(
+            conn,
+            tenant.as_str(),
+            reservation,
+            ReservationState::Released,
+            now_ms,
+        )?),
     })
 }
 
-pub async fn expire_due(conn: &mut SqliteConnection, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
-    let rows = sqlx::query(
-        "SELECT tenant_id, id, order_id, state, lines, expires_at FROM reservations
-         WHERE state = 'held' AND expires_at <= $1 ORDER BY expires_at LIMIT $2",
-    )
-    .bind(now_ms)
-    .bind(i64::from(limit))
-    .fetch_all(&mut *conn)
-    .await?;
+pub fn expire_due(conn: &Connection, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
+    let due: Vec<(String, Result<Reservation, StorageError>)> = conn
+        .prepare_cached(
+            "SELECT tenant_id, id, order_id, state, lines, expires_at FROM reservations
+             WHERE state = 'held' AND expires_at <= ?1 ORDER BY expires_at LIMIT ?2",
+        )?
+        .query_map(params![now_ms, i64::from(limit)], |row| Ok((row.get(0)?, reservation_from_row(row)?)))?
+        .collect::<rusqlite::Result<_>>()?;
     let mut expired = 0;
-    for row in rows {
-        let tenant: String = row.try_get("tenant_id")?;
-        let reservation = reservation_from_row(&row)?;
-        finish_reservation(conn, &tenant, reservation, ReservationState::Expired, now_ms).await?;
+    for (tenant, reservation) in due {
+        finish_reservation(conn, &tenant, reservation?, ReservationState::Expired, now_ms)?;
         expired += 1;
     }
     Ok(expired)
 }
 
-pub async fn purge_idempotency(conn: &mut SqliteConnection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
-    let done = sqlx::query(
-        "DELETE FROM idempotency WHERE (tenant_id, key) IN
-           (SELECT tenant_id, key FROM idempotency WHERE created_at < $1 LIMIT $2)",
-    )
-    .bind(before_ms)
-    .bind(i64::from(limit))
-    .execute(&mut *conn)
-    .await?;
-    Ok(done.rows_affected())
+pub fn purge_idempotency(conn: &Connection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+    let deleted = conn
+        .prepare_cached(
+            "DELETE FROM idempotency WHERE (tenant_id, key) IN
+               (SELECT tenant_id, key FROM idempotency WHERE created_at < ?1 LIMIT ?2)",
+        )?
+        .execute(params![before_ms, i64::from(limit)])?;
+    Ok(deleted as u64)
 }
