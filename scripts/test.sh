@@ -1,12 +1,39 @@
 #!/usr/bin/env bash
-# Runs every check and test stockd has: formatting, lints, unit tests and the black-box HTTP
-# suite against the real server binary. This is the README's test command and what CI runs.
+# Runs every check and test stockd has: formatting, lints, unit tests, and the black-box HTTP
+# suite against the real server binary on each storage backend (SQLite, then PostgreSQL).
+# This is the README's test command and exactly what CI runs. It starts PostgreSQL when none
+# answers on 127.0.0.1:5432, installing it from Debian's packages if it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Builds stay warm across fresh clones when the target directory lives outside the clone.
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/stockd-target}"
 export CARGO_TERM_COLOR=never
+# The suite creates (and drops) one database per test on this server.
+export STOCKD_TEST_PG_URL="${STOCKD_TEST_PG_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+answers() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+ensure_postgres() {
+  answers 5432 && return 0
+  echo "== starting PostgreSQL (none answers on 127.0.0.1:5432)"
+  if ! ls -d /etc/postgresql/*/main >/dev/null 2>&1; then
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  fi
+  local version
+  version=$(ls /etc/postgresql | sort -V | tail -n 1)
+  as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start 2>/dev/null \
+    || as_root pg_ctlcluster "$version" main start
+  for _ in $(seq 1 60); do answers 5432 && break; sleep 0.5; done
+  answers 5432 || { echo "PostgreSQL did not start" >&2; exit 1; }
+  # A fresh Debian install authenticates TCP clients by password: give the suite one.
+  as_root su postgres -c "psql -qc \"ALTER USER postgres PASSWORD 'postgres'\""
+}
+
+ensure_postgres
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
@@ -14,5 +41,8 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --locked -- -D warnings
 
-echo "== cargo test"
+echo "== cargo test (unit tests; HTTP suite on SQLite)"
 cargo test --all-targets --locked
+
+echo "== cargo test (HTTP suite on PostgreSQL)"
+STOCKD_TEST_BACKEND=postgres cargo test --test api --locked

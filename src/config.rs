@@ -73,6 +73,11 @@ pub struct DatabaseConfig {
     /// SQLite `synchronous`: "full" survives power loss, "normal" only process crashes.
     pub sqlite_synchronous: String,
     pub busy_timeout_ms: u64,
+    /// PostgreSQL: how long a request waits for a pooled connection before 503 unavailable.
+    pub acquire_timeout_ms: u64,
+    /// PostgreSQL: how often a batch that hit a serialization failure, deadlock or lost
+    /// connection is retried (with backoff) before its requests get 503 unavailable.
+    pub max_retries: u32,
 }
 
 impl Default for DatabaseConfig {
@@ -82,6 +87,8 @@ impl Default for DatabaseConfig {
             max_connections: 8,
             sqlite_synchronous: "full".into(),
             busy_timeout_ms: 5_000,
+            acquire_timeout_ms: 2_000,
+            max_retries: 5,
         }
     }
 }

@@ -4,7 +4,7 @@
 //! Crate map:
 //! - [`api`]: the REST contract over axum: extractors, handlers, problem+json, OpenAPI.
 //! - [`engine`]: the pure domain: newtypes, plans, order outcomes, ledger arithmetic.
-//! - [`storage`]: the storage trait and its backends (SQLite with group commit).
+//! - [`storage`]: the storage trait and its backends (SQLite, PostgreSQL), each with group commit.
 //! - [`jobs`]: reservation expiry, reconciliation, idempotency purge.
 //! - [`auth`]: API keys and the admin token (hashed, constant-time).
 //! - [`config`], [`startup`], [`cli`], [`telemetry`]: running the process.

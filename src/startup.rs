@@ -14,6 +14,7 @@ use crate::auth::{self, Authenticator};
 use crate::config::{Config, RunMode};
 use crate::engine::{DefaultPlanner, ResourceKey, TenantId};
 use crate::jobs::{self, JobSettings};
+use crate::storage::postgres::{PgSettings, PgStorage};
 use crate::storage::sqlite::{SqliteSettings, SqliteStorage};
 use crate::storage::writer_limits;
 use crate::storage::{NewResource, Storage};
@@ -25,8 +26,25 @@ pub async fn open_storage(config: &Config) -> anyhow::Result<Arc<dyn Storage>> {
     if url.starts_with("sqlite:") {
         let storage = SqliteStorage::open(&sqlite_settings(config)).await.context("opening the SQLite database")?;
         Ok(Arc::new(storage))
+    } else if is_postgres(url) {
+        let storage = PgStorage::open(&pg_settings(config)).await.context("opening the PostgreSQL database")?;
+        Ok(Arc::new(storage))
     } else {
-        bail!("database.url: unsupported scheme (expected sqlite://)")
+        bail!("database.url: unsupported scheme (expected sqlite:// or postgres://)")
+    }
+}
+
+fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+fn pg_settings(config: &Config) -> PgSettings {
+    PgSettings {
+        url: config.database.url.clone(),
+        max_connections: config.database.max_connections,
+        acquire_timeout: Duration::from_millis(config.database.acquire_timeout_ms),
+        writer: writer_limits(&config.batch),
+        max_retries: config.database.max_retries,
     }
 }
 
@@ -35,10 +53,12 @@ pub async fn migrate(config: &Config) -> anyhow::Result<()> {
     let url = config.database.url.as_str();
     if url.starts_with("sqlite:") {
         SqliteStorage::migrate(&sqlite_settings(config)).await.context("migrating the SQLite database")?;
-        Ok(())
+    } else if is_postgres(url) {
+        PgStorage::migrate(&pg_settings(config)).await.context("migrating the PostgreSQL database")?;
     } else {
-        bail!("database.url: unsupported scheme (expected sqlite://)")
+        bail!("database.url: unsupported scheme (expected sqlite:// or postgres://)")
     }
+    Ok(())
 }
 
 fn sqlite_settings(config: &Config) -> SqliteSettings {

@@ -9,5 +9,8 @@ pub mod types;
 
 pub use order::{LineResult, OrderDocument, OrderRequest, OrderStatus, Reason};
 pub use plan::{DefaultPlanner, PartialPolicy, Plan, PlannedLine, Planner, PlannerRef};
-pub use resource::{Counters, Drift, LedgerEntry, Reconciliation, Reservation, ReservationLine, ResourceState};
+pub use resource::{
+    reconcile, Counters, Drift, LedgerEntry, LedgerSum, NewestEntry, Reconciliation, Reservation, ReservationLine,
+    ResourceState,
+};
 pub use types::*;

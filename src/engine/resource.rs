@@ -101,6 +101,47 @@ pub struct Reconciliation {
     pub drift: Vec<Drift>,
 }
 
+/// The ledger's totals of one op on one resource, as storage aggregates them.
+#[derive(Debug, Clone)]
+pub struct LedgerSum {
+    pub tenant: String,
+    pub key: String,
+    pub op: LedgerOp,
+    pub qty: i64,
+    pub count: i64,
+}
+
+/// The `*_after` counters (available, reserved, consumed) of a resource's newest ledger entry.
+#[derive(Debug, Clone)]
+pub struct NewestEntry {
+    pub tenant: String,
+    pub key: String,
+    pub after: [i64; 3],
+}
+
+/// Compares each resource (with its tenant) against its ledger: the replayed sums and the
+/// newest entry's counters must both equal the state. Pure, so every backend judges alike.
+pub fn reconcile(resources: &[(String, ResourceState)], sums: &[LedgerSum], newest: &[NewestEntry]) -> Reconciliation {
+    use std::collections::HashMap;
+    let mut expected: HashMap<(&str, &str), Counters> = HashMap::new();
+    for s in sums {
+        expected.entry((s.tenant.as_str(), s.key.as_str())).or_default().apply(s.op, s.qty, s.count);
+    }
+    let last: HashMap<(&str, &str), [i64; 3]> =
+        newest.iter().map(|n| ((n.tenant.as_str(), n.key.as_str()), n.after)).collect();
+    let drift = resources
+        .iter()
+        .filter_map(|(tenant, state)| {
+            let id = (tenant.as_str(), state.key.as_str());
+            let want = expected.get(&id).copied().unwrap_or_default();
+            let have = state.counters();
+            let last_matches = last.get(&id) == Some(&[have.available, have.reserved, have.consumed]);
+            (want != have || !last_matches).then(|| Drift { key: state.key.clone(), expected: want, actual: have })
+        })
+        .collect();
+    Reconciliation { checked: resources.len() as u64, drift }
+}
+
 /// One line held by a reservation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ReservationLine {

@@ -42,6 +42,7 @@ const LISTENING_PREFIX: &str = "listening on http://";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
     Sqlite,
+    Postgres,
 }
 
 impl Backend {
@@ -50,16 +51,75 @@ impl Backend {
             Err(_) => Backend::Sqlite,
             Ok(name) => match name.as_str() {
                 "" | "sqlite" => Backend::Sqlite,
+                "postgres" => Backend::Postgres,
                 other => panic!("STOCKD_TEST_BACKEND={other:?} is not a backend this suite knows"),
             },
         }
     }
 
-    /// A database URL nobody else uses, for one test (and its restarts).
-    fn fresh_database_url(self, dir: &Path) -> String {
+    /// A database nobody else uses, for one test (and its restarts): a file in the test's
+    /// directory, or a new PostgreSQL database that is dropped with the returned guard.
+    async fn fresh_database(self, dir: &Path) -> (String, Option<PgDatabase>) {
         match self {
-            Backend::Sqlite => format!("sqlite://{}", dir.join("stockd.db").display()),
+            Backend::Sqlite => (format!("sqlite://{}", dir.join("stockd.db").display()), None),
+            Backend::Postgres => {
+                let db = PgDatabase::create().await;
+                (db.url(), Some(db))
+            }
         }
+    }
+}
+
+/// The PostgreSQL server the suite creates its databases on (`STOCKD_TEST_PG_URL`, default the
+/// local server with trust auth). Any database of that server works as the admin connection.
+fn pg_admin_url() -> String {
+    std::env::var("STOCKD_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// A throwaway PostgreSQL database for one test, dropped (connections and all) when the test ends.
+pub struct PgDatabase {
+    name: String,
+}
+
+impl PgDatabase {
+    async fn create() -> PgDatabase {
+        use sqlx::Connection;
+        let name = format!("stockd_test_{:016x}", rand::random::<u64>());
+        let mut admin = sqlx::PgConnection::connect(&pg_admin_url())
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {} must be reachable for this suite: {e}", pg_admin_url()));
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("creating test database {name}: {e}"));
+        let _ = admin.close().await;
+        PgDatabase { name }
+    }
+
+    fn url(&self) -> String {
+        let admin = pg_admin_url();
+        let base = admin.rsplit_once('/').map(|(base, _)| base).unwrap_or(&admin);
+        format!("{base}/{}", self.name)
+    }
+}
+
+impl Drop for PgDatabase {
+    fn drop(&mut self) {
+        // Drop runs outside any runtime guarantee, so the clean-up gets its own small runtime
+        // on its own thread. Failure only leaves a stray database behind; it never fails a test.
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            rt.block_on(async move {
+                use sqlx::Connection;
+                if let Ok(mut admin) = sqlx::PgConnection::connect(&pg_admin_url()).await {
+                    let _ =
+                        sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut admin).await;
+                    let _ = admin.close().await;
+                }
+            });
+        })
+        .join();
     }
 }
 
@@ -98,6 +158,8 @@ pub struct TestApp {
     opts: AppOptions,
     database_url: String,
     config_path: PathBuf,
+    /// The test's PostgreSQL database, dropped after the child has been killed.
+    _database: Option<PgDatabase>,
     /// Declared last: the directory is removed only after the child has been killed.
     dir: TempDir,
 }
@@ -108,7 +170,7 @@ pub async fn spawn_app() -> TestApp {
 
 pub async fn spawn_app_with(opts: AppOptions) -> TestApp {
     let dir = tempfile::tempdir().expect("a temporary directory can be created");
-    let database_url = Backend::from_env().fresh_database_url(dir.path());
+    let (database_url, database) = Backend::from_env().fresh_database(dir.path()).await;
     let config_path = dir.path().join("stockd.toml");
     let config = format!(
         "# Written by tests/api/helpers.rs; listen address, database and admin token come from env.\n{}",
@@ -126,6 +188,7 @@ pub async fn spawn_app_with(opts: AppOptions) -> TestApp {
         opts,
         database_url,
         config_path,
+        _database: database,
         dir,
     };
     app.start().await;
@@ -260,6 +323,30 @@ impl TestApp {
     /// GET without any credentials.
     pub async fn get_anonymous(&self, path: &str) -> Reply {
         send(self.client.get(self.url(path))).await
+    }
+
+    /// Another server process on the same database, with the same admin token and config: what
+    /// several stateless processes behind a load balancer look like. The original keeps owning
+    /// the database; the sibling only its own directory.
+    pub async fn spawn_sibling(&self) -> TestApp {
+        let dir = tempfile::tempdir().expect("a temporary directory can be created");
+        let config_path = dir.path().join("stockd.toml");
+        std::fs::copy(&self.config_path, &config_path).expect("the config file can be copied");
+        let mut sibling = TestApp {
+            addr: String::new(),
+            admin_token: self.admin_token.clone(),
+            client: http_client(),
+            base_url: Arc::new(RwLock::new(String::new())),
+            child: None,
+            logs: Arc::new(Mutex::new(String::new())),
+            opts: self.opts.clone(),
+            database_url: self.database_url.clone(),
+            config_path,
+            _database: None,
+            dir,
+        };
+        sibling.start().await;
+        sibling
     }
 
     /// Creates a tenant through the admin API and returns a client holding its API key.

@@ -4,7 +4,6 @@
 pub mod ops;
 pub mod writer;
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Mutex;
@@ -21,8 +20,8 @@ use super::{
     OrderJob, Storage, StorageError, TenantRecord, Transition,
 };
 use crate::engine::{
-    Counters, Drift, Kind, LedgerEntry, LedgerOp, LineResult, Mode, OrderDocument, OrderRequest, Plan, Reconciliation,
-    Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
+    reconcile, Kind, LedgerEntry, LedgerOp, LedgerSum, LineResult, Mode, NewestEntry, OrderDocument, OrderRequest,
+    Plan, Reconciliation, Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
 use crate::time::Timestamp;
 
@@ -401,33 +400,38 @@ impl Storage for SqliteStorage {
         .await?;
         tx.commit().await?;
 
-        let mut expected: HashMap<(String, String), Counters> = HashMap::new();
-        for row in &sums {
-            let op: String = row.try_get("op")?;
-            let op = LedgerOp::from_db(&op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?;
-            let key = (row.try_get("tenant_id")?, row.try_get("resource_key")?);
-            expected.entry(key).or_default().apply(op, row.try_get("qty")?, row.try_get("n")?);
-        }
-        let mut newest: HashMap<(String, String), (i64, i64, i64)> = HashMap::new();
-        for row in &latest {
-            let key = (row.try_get("tenant_id")?, row.try_get("resource_key")?);
-            newest.insert(
-                key,
-                (row.try_get("available_after")?, row.try_get("reserved_after")?, row.try_get("consumed_after")?),
-            );
-        }
-        let mut drift = Vec::new();
-        for row in &resources {
-            let state = resource_from_row(row)?;
-            let id = (row.try_get::<String, _>("tenant_id")?, state.key.clone());
-            let want = expected.get(&id).copied().unwrap_or_default();
-            let have = state.counters();
-            let last_matches = newest.get(&id) == Some(&(have.available, have.reserved, have.consumed));
-            if want != have || !last_matches {
-                drift.push(Drift { key: state.key.clone(), expected: want, actual: have });
-            }
-        }
-        Ok(Reconciliation { checked: resources.len() as u64, drift })
+        let sums = sums
+            .iter()
+            .map(|row| {
+                let op: String = row.try_get("op")?;
+                Ok(LedgerSum {
+                    tenant: row.try_get("tenant_id")?,
+                    key: row.try_get("resource_key")?,
+                    op: LedgerOp::from_db(&op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
+                    qty: row.try_get("qty")?,
+                    count: row.try_get("n")?,
+                })
+            })
+            .collect::<Result<Vec<_>, StorageError>>()?;
+        let newest = latest
+            .iter()
+            .map(|row| {
+                Ok(NewestEntry {
+                    tenant: row.try_get("tenant_id")?,
+                    key: row.try_get("resource_key")?,
+                    after: [
+                        row.try_get("available_after")?,
+                        row.try_get("reserved_after")?,
+                        row.try_get("consumed_after")?,
+                    ],
+                })
+            })
+            .collect::<Result<Vec<_>, StorageError>>()?;
+        let resources = resources
+            .iter()
+            .map(|row| Ok((row.try_get("tenant_id")?, resource_from_row(row)?)))
+            .collect::<Result<Vec<_>, StorageError>>()?;
+        Ok(reconcile(&resources, &sums, &newest))
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

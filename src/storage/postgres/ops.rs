@@ -1,0 +1,807 @@
+//! The PostgreSQL write operations, one per write of the [`Storage`](crate::storage::Storage)
+//! trait, mirroring [`crate::storage::sqlite::ops`] function by function so both backends give
+//! the same responses, ledger rows and reasons. Each runs on the batcher's connection inside its
+//! own savepoint of a group-commit transaction (see [`super`]), and may be run again from the
+//! start if that batch is retried, so none keeps anything between runs.
+//!
+//! Unlike SQLite, several `stockd` processes may write the same database at once, and nothing
+//! here relies on being the only writer: every deduction is a guarded UPDATE judged by the row it
+//! returns; an idempotency key is claimed by inserting its row first (a concurrent duplicate in
+//! another process waits on that row, then replays); a reservation moves only by a guarded UPDATE
+//! from `held`; the expiry sweep locks its rows with `SKIP LOCKED`.
+
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Row};
+use ulid::Ulid;
+
+use crate::engine::order::decide;
+use crate::engine::{
+    Action, Kind, LedgerOp, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason, Reservation,
+    ReservationLine, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId, MAX_TOTAL,
+};
+use crate::problem::Problem;
+use crate::storage::sqlite::ops::{line_refusal, new_request_id, RESOURCE_COLUMNS};
+use crate::storage::{
+    AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
+    OrderJob, StorageError, StoredResponse, Transition,
+};
+use crate::time::Timestamp;
+
+fn corrupt(what: &str) -> StorageError {
+    StorageError::Internal(format!("unexpected stored value in {what}"))
+}
+
+/// A resource row selected or returned with [`RESOURCE_COLUMNS`].
+pub(super) fn resource_from_row(row: &PgRow) -> Result<ResourceState, StorageError> {
+    let kind: &str = row.try_get("kind")?;
+    let status: &str = row.try_get("status")?;
+    let mode: &str = row.try_get("mode")?;
+    let (Some(kind), Some(status), Some(mode)) =
+        (Kind::from_db(kind), ResourceStatus::from_db(status), Mode::from_db(mode))
+    else {
+        return Err(corrupt("resources"));
+    };
+    Ok(ResourceState {
+        key: row.try_get("key")?,
+        kind,
+        status,
+        available: row.try_get("available")?,
+        reserved: row.try_get("reserved")?,
+        consumed: row.try_get("consumed")?,
+        total: row.try_get("total")?,
+        buckets: row.try_get("buckets")?,
+        mode,
+        version: row.try_get("version")?,
+        updated_at: Timestamp(row.try_get("updated_at")?),
+    })
+}
+
+/// A reservation row with `id, order_id, state, lines, expires_at`.
+pub(super) fn reservation_from_row(row: &PgRow) -> Result<Reservation, StorageError> {
+    let state: &str = row.try_get("state")?;
+    let lines: &str = row.try_get("lines")?;
+    let (Some(state), Ok(lines)) = (ReservationState::from_db(state), serde_json::from_str(lines)) else {
+        return Err(corrupt("reservations"));
+    };
+    Ok(Reservation {
+        id: row.try_get("id")?,
+        order_id: row.try_get("order_id")?,
+        state,
+        lines,
+        expires_at: Timestamp(row.try_get("expires_at")?),
+    })
+}
+
+/// Counters a guarded UPDATE returned, for the ledger row.
+#[derive(Debug, Clone, Copy)]
+struct After {
+    available: i64,
+    reserved: i64,
+    consumed: i64,
+    version: i64,
+}
+
+impl After {
+    fn from_row(row: &PgRow) -> Result<Self, StorageError> {
+        Ok(Self {
+            available: row.try_get("available")?,
+            reserved: row.try_get("reserved")?,
+            consumed: row.try_get("consumed")?,
+            version: row.try_get("version")?,
+        })
+    }
+}
+
+/// What the ledger row of one change records besides the counters.
+struct LedgerFacts<'a> {
+    tenant: &'a str,
+    resource: &'a str,
+    op: LedgerOp,
+    qty: i64,
+    request_id: &'a str,
+    order_id: Option<&'a str>,
+    reservation_id: Option<&'a str>,
+    plugin_version: Option<i64>,
+    now_ms: i64,
+}
+
+async fn append_ledger(conn: &mut PgConnection, f: LedgerFacts<'_>, after: After) -> Result<(), StorageError> {
+    sqlx::query(
+        "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+                             available_after, reserved_after, consumed_after, version_after, plugin_version, at)
+         VALUES ($1, $2, 0, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+    )
+    .bind(f.tenant)
+    .bind(f.resource)
+    .bind(f.op.as_str())
+    .bind(f.qty)
+    .bind(f.request_id)
+    .bind(f.order_id)
+    .bind(f.reservation_id)
+    .bind(after.available)
+    .bind(after.reserved)
+    .bind(after.consumed)
+    .bind(after.version)
+    .bind(f.plugin_version)
+    .bind(f.now_ms)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Claims an idempotency key for this request before any business write. `None`: the key is
+/// ours, proceed (and [`idempotency_finish`] it). `Some`: the key was used before; its outcome.
+///
+/// The INSERT comes first because it is what serialises duplicates across processes: if another
+/// transaction holds an uncommitted row for the key, `ON CONFLICT` waits for it to end, then
+/// either inserts (it rolled back) or does nothing (it committed, response and all).
+async fn idempotency_claim(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    idem: &IdempotencyRequest,
+    now_ms: i64,
+) -> Result<Option<Idempotent>, StorageError> {
+    let inserted = sqlx::query(
+        "INSERT INTO idempotency (tenant_id, key, request_hash, created_at) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (tenant_id, key) DO NOTHING",
+    )
+    .bind(tenant.as_str())
+    .bind(idem.key.as_str())
+    .bind(&idem.request_hash)
+    .bind(now_ms)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    if inserted == 1 {
+        return Ok(None);
+    }
+    let row = sqlx::query(
+        "SELECT request_hash, response_code, response_type, response_body FROM idempotency
+         WHERE tenant_id = $1 AND key = $2",
+    )
+    .bind(tenant.as_str())
+    .bind(idem.key.as_str())
+    .fetch_optional(&mut *conn)
+    .await?;
+    // The row conflicted a moment ago and is gone now: the purge job removed an expired key in
+    // between. Transient: the retried batch finds the key free.
+    let Some(row) = row else { return Err(StorageError::Unavailable("idempotency key vanished".into())) };
+    let hash: &str = row.try_get("request_hash")?;
+    if hash != idem.request_hash {
+        return Ok(Some(Idempotent::Mismatch));
+    }
+    let code: Option<i32> = row.try_get("response_code")?;
+    let kind: Option<&str> = row.try_get("response_type")?;
+    let body: Option<String> = row.try_get("response_body")?;
+    // Committed rows always carry their response (it is written in the transaction that inserted
+    // them), so a missing one means this transaction claimed the key and did not finish it.
+    let (Some(code), Some(kind), Some(body)) = (code, kind, body) else {
+        return Err(StorageError::Internal(format!("idempotency key {} has no stored response", idem.key.as_str())));
+    };
+    Ok(Some(Idempotent::Replayed(StoredResponse {
+        status: u16::try_from(code).map_err(|_| corrupt("idempotency.response_code"))?,
+        content_type: ContentType::from_db(kind),
+        body,
+    })))
+}
+
+/// Stores the response of a key claimed by [`idempotency_claim`], in the same transaction as
+/// the effects it describes.
+async fn idempotency_finish(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    idem: &IdempotencyRequest,
+    response: &StoredResponse,
+) -> Result<(), StorageError> {
+    let updated = sqlx::query(
+        "UPDATE idempotency SET response_code = $1, response_type = $2, response_body = $3
+         WHERE tenant_id = $4 AND key = $5",
+    )
+    .bind(i32::from(response.status))
+    .bind(response.content_type.as_str())
+    .bind(&response.body)
+    .bind(tenant.as_str())
+    .bind(idem.key.as_str())
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    if updated != 1 {
+        return Err(StorageError::Internal(format!("idempotency key {} was not claimed", idem.key.as_str())));
+    }
+    Ok(())
+}
+
+/// Gives back a claimed key whose request ends without a stored outcome, so it stays free.
+async fn idempotency_release(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    idem: &IdempotencyRequest,
+) -> Result<(), StorageError> {
+    sqlx::query("DELETE FROM idempotency WHERE tenant_id = $1 AND key = $2 AND response_code IS NULL")
+        .bind(tenant.as_str())
+        .bind(idem.key.as_str())
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+pub async fn create_tenant(
+    conn: &mut PgConnection,
+    id: &TenantId,
+    name: &str,
+    key: &NewApiKey,
+    now_ms: i64,
+) -> Result<Insert, StorageError> {
+    let created = sqlx::query(
+        "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING RETURNING id",
+    )
+    .bind(id.as_str())
+    .bind(name)
+    .bind(now_ms)
+    .fetch_optional(&mut *conn)
+    .await?;
+    if created.is_none() {
+        return Ok(Insert::AlreadyExists);
+    }
+    sqlx::query("INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES ($1, $2, $3, $4)")
+        .bind(&key.id)
+        .bind(id.as_str())
+        .bind(&key.hash)
+        .bind(now_ms)
+        .execute(&mut *conn)
+        .await?;
+    Ok(Insert::Created)
+}
+
+pub async fn add_api_key(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    key: &NewApiKey,
+    now_ms: i64,
+) -> Result<Option<()>, StorageError> {
+    let added = sqlx::query(
+        "INSERT INTO api_keys (id, tenant_id, hash, created_at) SELECT $1, id, $2, $3 FROM tenants WHERE id = $4",
+    )
+    .bind(&key.id)
+    .bind(&key.hash)
+    .bind(now_ms)
+    .bind(tenant.as_str())
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    Ok((added == 1).then_some(()))
+}
+
+pub async fn revoke_api_key(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    key_id: &str,
+    now_ms: i64,
+) -> Result<Option<()>, StorageError> {
+    let revoked =
+        sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND tenant_id = $3 AND revoked_at IS NULL")
+            .bind(now_ms)
+            .bind(key_id)
+            .bind(tenant.as_str())
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+    Ok((revoked == 1).then_some(()))
+}
+
+pub async fn ensure_config_tenant(
+    conn: &mut PgConnection,
+    id: &TenantId,
+    name: &str,
+    key_hash: &str,
+    now_ms: i64,
+) -> Result<(), StorageError> {
+    // Upserts, so several processes starting on one database at once all succeed.
+    sqlx::query(
+        "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)
+         ON CONFLICT (id) DO UPDATE SET name = excluded.name",
+    )
+    .bind(id.as_str())
+    .bind(name)
+    .bind(now_ms)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (id) DO UPDATE SET hash = excluded.hash, revoked_at = NULL",
+    )
+    .bind(format!("cfg-{id}"))
+    .bind(id.as_str())
+    .bind(key_hash)
+    .bind(now_ms)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+pub async fn create_resource(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    res: &NewResource,
+    now_ms: i64,
+) -> Result<Option<ResourceState>, StorageError> {
+    let sql = format!(
+        "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
+                                version, created_at, updated_at)
+         VALUES ($1, $2, $3, 'active', 'db', 1, $4, $4, 0, 0, 1, $5, $5)
+         ON CONFLICT (tenant_id, key) DO NOTHING
+         RETURNING {RESOURCE_COLUMNS}"
+    );
+    let row = sqlx::query(&sql)
+        .bind(tenant.as_str())
+        .bind(res.key.as_str())
+        .bind(res.kind.as_str())
+        .bind(res.total)
+        .bind(now_ms)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let Some(row) = row else { return Ok(None) };
+    let (state, after) = (resource_from_row(&row)?, After::from_row(&row)?);
+    let facts = LedgerFacts {
+        tenant: tenant.as_str(),
+        resource: res.key.as_str(),
+        op: LedgerOp::Create,
+        qty: res.total,
+        request_id: "create",
+        order_id: None,
+        reservation_id: None,
+        plugin_version: None,
+        now_ms,
+    };
+    append_ledger(conn, facts, after).await?;
+    Ok(Some(state))
+}
+
+pub async fn set_resource_status(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    key: &ResourceKey,
+    status: ResourceStatus,
+    now_ms: i64,
+) -> Result<Option<ResourceState>, StorageError> {
+    let sql = format!(
+        "UPDATE resources SET status = $1, updated_at = $2 WHERE tenant_id = $3 AND key = $4 RETURNING {RESOURCE_COLUMNS}"
+    );
+    let row = sqlx::query(&sql)
+        .bind(status.as_str())
+        .bind(now_ms)
+        .bind(tenant.as_str())
+        .bind(key.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+    row.as_ref().map(resource_from_row).transpose()
+}
+
+pub async fn adjust(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    idem: &IdempotencyRequest,
+    key: &ResourceKey,
+    delta: i64,
+    now_ms: i64,
+) -> Result<Result<Idempotent, AdjustRefusal>, StorageError> {
+    if let Some(previous) = idempotency_claim(conn, tenant, idem, now_ms).await? {
+        return Ok(Ok(previous));
+    }
+    let sql = format!(
+        "UPDATE resources SET available = available + $1, total = total + $1, version = version + 1, updated_at = $2
+         WHERE tenant_id = $3 AND key = $4 AND available + $1 >= 0 AND total + $1 <= $5
+         RETURNING {RESOURCE_COLUMNS}"
+    );
+    let row = sqlx::query(&sql)
+        .bind(delta)
+        .bind(now_ms)
+        .bind(tenant.as_str())
+        .bind(key.as_str())
+        .bind(MAX_TOTAL)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let response = match row {
+        Some(row) => {
+            let (state, after) = (resource_from_row(&row)?, After::from_row(&row)?);
+            let request_id = new_request_id();
+            let facts = LedgerFacts {
+                tenant: tenant.as_str(),
+                resource: key.as_str(),
+                op: LedgerOp::Adjust,
+                qty: delta,
+                request_id: &request_id,
+                order_id: None,
+                reservation_id: None,
+                plugin_version: None,
+                now_ms,
+            };
+            append_ledger(conn, facts, after).await?;
+            StoredResponse::json(200, &state)?
+        }
+        None => {
+            let available: Option<i64> =
+                sqlx::query_scalar("SELECT available FROM resources WHERE tenant_id = $1 AND key = $2")
+                    .bind(tenant.as_str())
+                    .bind(key.as_str())
+                    .fetch_optional(&mut *conn)
+                    .await?;
+            let Some(available) = available else {
+                // An unknown resource leaves no stored outcome (as on SQLite): the key stays
+                // free for a retry once the resource exists.
+                idempotency_release(conn, tenant, idem).await?;
+                return Ok(Err(AdjustRefusal::ResourceNotFound));
+            };
+            let problem = if delta < 0 {
+                Problem::new(
+                    409,
+                    "insufficient",
+                    "Insufficient stock",
+                    format!("{key} has {available} available, write-off of {} requested", -delta),
+                )
+            } else {
+                Problem::new(
+                    422,
+                    "total_out_of_range",
+                    "Total out of range",
+                    format!("{key} would exceed the largest total, {MAX_TOTAL}"),
+                )
+            };
+            StoredResponse::problem(&problem)?
+        }
+    };
+    idempotency_finish(conn, tenant, idem, &response).await?;
+    Ok(Ok(Idempotent::Fresh(response)))
+}
+
+const DEDUCT_SQL: &str = "UPDATE resources SET available = available - $1, consumed = consumed + $1,
+        version = version + 1, updated_at = $2
+    WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1 AND ($5::text IS NULL OR kind = $5::text)
+    RETURNING available, reserved, consumed, version";
+const RESERVE_SQL: &str = "UPDATE resources SET available = available - $1, reserved = reserved + $1,
+        version = version + 1, updated_at = $2
+    WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1 AND ($5::text IS NULL OR kind = $5::text)
+    RETURNING available, reserved, consumed, version";
+
+/// The `(status, kind, available)` of a resource, for judging lines with [`line_refusal`].
+pub(super) async fn line_view(
+    conn: &mut PgConnection,
+    tenant: &str,
+    resource: &str,
+) -> Result<Option<(String, String, i64)>, StorageError> {
+    Ok(sqlx::query_as("SELECT status, kind, available FROM resources WHERE tenant_id = $1 AND key = $2")
+        .bind(tenant)
+        .bind(resource)
+        .fetch_optional(&mut *conn)
+        .await?)
+}
+
+/// Identity shared by every ledger row of one order.
+struct OrderFacts<'a> {
+    tenant: &'a TenantId,
+    action: Action,
+    request_id: &'a str,
+    order_id: &'a str,
+    reservation_id: Option<&'a str>,
+    plugin_version: Option<i64>,
+    now_ms: i64,
+}
+
+async fn apply_line(
+    conn: &mut PgConnection,
+    facts: &OrderFacts<'_>,
+    line: &PlannedLine,
+) -> Result<LineResult, StorageError> {
+    let (sql, op) = match facts.action {
+        Action::Deduct => (DEDUCT_SQL, LedgerOp::Deduct),
+        Action::Reserve => (RESERVE_SQL, LedgerOp::Reserve),
+    };
+    let row = sqlx::query(sql)
+        .bind(line.qty)
+        .bind(facts.now_ms)
+        .bind(facts.tenant.as_str())
+        .bind(line.resource.as_str())
+        .bind(line.kind.map(Kind::as_str))
+        .fetch_optional(&mut *conn)
+        .await?;
+    let Some(row) = row else {
+        let view = line_view(conn, facts.tenant.as_str(), line.resource.as_str()).await?;
+        // The guarded UPDATE refused, so some reason applied at that moment. Another process may
+        // have changed the row since (a restock, say); then the refusal was for want of stock.
+        return Ok(LineResult::Rejected(line_refusal(view, line).unwrap_or(Reason::Insufficient)));
+    };
+    let ledger = LedgerFacts {
+        tenant: facts.tenant.as_str(),
+        resource: line.resource.as_str(),
+        op,
+        qty: line.qty,
+        request_id: facts.request_id,
+        order_id: Some(facts.order_id),
+        reservation_id: facts.reservation_id,
+        plugin_version: facts.plugin_version,
+        now_ms: facts.now_ms,
+    };
+    append_ledger(conn, ledger, After::from_row(&row)?).await?;
+    Ok(LineResult::Applied)
+}
+
+pub async fn execute_order(
+    conn: &mut PgConnection,
+    job: &OrderJob,
+    now_ms: i64,
+) -> Result<OrderExecution, StorageError> {
+    if let Some(previous) = idempotency_claim(conn, &job.tenant, &job.idempotency, now_ms).await? {
+        return Ok(OrderExecution { response: previous, outcome: None });
+    }
+    let request_id = new_request_id();
+    let reservation = (job.order.action == Action::Reserve)
+        .then(|| (format!("rsv_{}", Ulid::new()), Timestamp(now_ms.saturating_add(job.ttl_ms))));
+    let facts = OrderFacts {
+        tenant: &job.tenant,
+        action: job.order.action,
+        request_id: &request_id,
+        order_id: job.order.order_id.as_str(),
+        reservation_id: reservation.as_ref().map(|(id, _)| id.as_str()),
+        plugin_version: Some(job.plan.planner.version),
+        now_ms,
+    };
+    // Lines are applied in one global order (by resource key) so that concurrent multi-line
+    // orders, here or in another process, never wait on each other's row locks in a cycle.
+    let mut sequence: Vec<usize> = (0..job.plan.lines.len()).collect();
+    sequence.sort_by(|a, b| job.plan.lines[*a].resource.cmp(&job.plan.lines[*b].resource));
+    // A single line that fails changed nothing, so only multi-line orders need a savepoint.
+    let nested = job.plan.lines.len() > 1;
+    if nested {
+        sqlx::query("SAVEPOINT lines").execute(&mut *conn).await?;
+    }
+    let mut results = vec![LineResult::Applied; job.plan.lines.len()];
+    for i in sequence {
+        results[i] = apply_line(conn, &facts, &job.plan.lines[i]).await?;
+    }
+    let status = decide(job.plan.policy, &results);
+    if nested {
+        if status == OrderStatus::Rejected {
+            sqlx::query("ROLLBACK TO SAVEPOINT lines").execute(&mut *conn).await?;
+        }
+        sqlx::query("RELEASE SAVEPOINT lines").execute(&mut *conn).await?;
+    }
+    if status != OrderStatus::Rejected {
+        if let Some((id, expires_at)) = &reservation {
+            insert_reservation(conn, job, &results, id, *expires_at, now_ms).await?;
+        }
+    }
+    let document = OrderDocument::build(&job.order, &job.plan, &results, reservation);
+    let code = if status == OrderStatus::Rejected { 409 } else { 201 };
+    let response = StoredResponse::json(code, &document)?;
+    idempotency_finish(conn, &job.tenant, &job.idempotency, &response).await?;
+    Ok(OrderExecution { response: Idempotent::Fresh(response), outcome: Some((status, results)) })
+}
+
+async fn insert_reservation(
+    conn: &mut PgConnection,
+    job: &OrderJob,
+    results: &[LineResult],
+    id: &str,
+    expires_at: Timestamp,
+    now_ms: i64,
+) -> Result<(), StorageError> {
+    let lines: Vec<ReservationLine> = job
+        .plan
+        .lines
+        .iter()
+        .zip(results)
+        .filter(|(_, r)| **r == LineResult::Applied)
+        .map(|(p, _)| ReservationLine {
+            key: job.order.lines.get(p.line).map(|l| l.key.to_string()).unwrap_or_default(),
+            resource: p.resource.to_string(),
+            qty: p.qty,
+        })
+        .collect();
+    let lines = serde_json::to_string(&lines).map_err(|e| StorageError::Internal(e.to_string()))?;
+    sqlx::query(
+        "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
+         VALUES ($1, $2, $3, 'held', $4, $5, $6, $6)",
+    )
+    .bind(job.tenant.as_str())
+    .bind(id)
+    .bind(job.order.order_id.as_str())
+    .bind(lines)
+    .bind(expires_at.0)
+    .bind(now_ms)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+async fn load_reservation(
+    conn: &mut PgConnection,
+    tenant: &str,
+    id: &str,
+) -> Result<Option<Reservation>, StorageError> {
+    let row =
+        sqlx::query("SELECT id, order_id, state, lines, expires_at FROM reservations WHERE tenant_id = $1 AND id = $2")
+            .bind(tenant)
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await?;
+    row.as_ref().map(reservation_from_row).transpose()
+}
+
+const CONFIRM_SQL: &str =
+    "UPDATE resources SET reserved = reserved - $1, consumed = consumed + $1, version = version + 1,
+        updated_at = $2
+    WHERE tenant_id = $3 AND key = $4 AND reserved >= $1 RETURNING available, reserved, consumed, version";
+const UNRESERVE_SQL: &str =
+    "UPDATE resources SET reserved = reserved - $1, available = available + $1, version = version + 1,
+        updated_at = $2
+    WHERE tenant_id = $3 AND key = $4 AND reserved >= $1 RETURNING available, reserved, consumed, version";
+
+/// Moves a held reservation to `to` (confirmed, released or expired): the state changes only
+/// if it is still `held`, and its lines leave `reserved`, each with a ledger row. `None` when it
+/// was no longer held: another process moved it after our read, and its move stands.
+async fn finish_reservation(
+    conn: &mut PgConnection,
+    tenant: &str,
+    mut reservation: Reservation,
+    to: ReservationState,
+    now_ms: i64,
+) -> Result<Option<Reservation>, StorageError> {
+    let (op, sql) = match to {
+        ReservationState::Confirmed => (LedgerOp::Confirm, CONFIRM_SQL),
+        ReservationState::Released => (LedgerOp::Release, UNRESERVE_SQL),
+        ReservationState::Expired => (LedgerOp::Expire, UNRESERVE_SQL),
+        ReservationState::Held => return Err(StorageError::Internal("a reservation cannot move back to held".into())),
+    };
+    // Under READ COMMITTED this waits for a concurrent mover's commit and then re-checks
+    // `state = 'held'` against the committed row, so exactly one move wins.
+    let moved = sqlx::query(
+        "UPDATE reservations SET state = $1, updated_at = $2 WHERE tenant_id = $3 AND id = $4 AND state = 'held'",
+    )
+    .bind(to.as_str())
+    .bind(now_ms)
+    .bind(tenant)
+    .bind(&reservation.id)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    if moved != 1 {
+        return Ok(None);
+    }
+    let mut lines = reservation.lines.clone();
+    lines.sort_by(|a, b| a.resource.cmp(&b.resource));
+    for line in &lines {
+        let row = sqlx::query(sql)
+            .bind(line.qty)
+            .bind(now_ms)
+            .bind(tenant)
+            .bind(&line.resource)
+            .fetch_optional(&mut *conn)
+            .await?
+            .ok_or_else(|| {
+                StorageError::Internal(format!("resource of reservation {} holds less than reserved", reservation.id))
+            })?;
+        let facts = LedgerFacts {
+            tenant,
+            resource: &line.resource,
+            op,
+            qty: line.qty,
+            request_id: &reservation.id,
+            order_id: Some(&reservation.order_id),
+            reservation_id: Some(&reservation.id),
+            plugin_version: None,
+            now_ms,
+        };
+        append_ledger(conn, facts, After::from_row(&row)?).await?;
+    }
+    reservation.state = to;
+    Ok(Some(reservation))
+}
+
+/// How many times a transition reads the reservation: a second read follows only a lost race,
+/// and then sees a final state, which needs no move.
+const TRANSITION_READS: usize = 2;
+
+pub async fn confirm_reservation(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    id: &str,
+    now_ms: i64,
+) -> Result<Transition, StorageError> {
+    for _ in 0..TRANSITION_READS {
+        let Some(reservation) = load_reservation(conn, tenant.as_str(), id).await? else {
+            return Ok(Transition::NotFound);
+        };
+        let transition = match reservation.state {
+            ReservationState::Confirmed => Transition::Done(reservation),
+            ReservationState::Released | ReservationState::Expired => {
+                Transition::Refused(reservation.state, reservation)
+            }
+            // Past its deadline but not yet swept: it is expired. Expiring it here keeps a late
+            // confirm from winning a race with the sweeper.
+            ReservationState::Held if reservation.expires_at.0 <= now_ms => {
+                match finish_reservation(conn, tenant.as_str(), reservation, ReservationState::Expired, now_ms).await? {
+                    Some(expired) => {
+                        metrics::counter!("stockd_reservations_expired_total").increment(1);
+                        Transition::Refused(ReservationState::Expired, expired)
+                    }
+                    None => continue,
+                }
+            }
+            ReservationState::Held => {
+                match finish_reservation(conn, tenant.as_str(), reservation, ReservationState::Confirmed, now_ms)
+                    .await?
+                {
+                    Some(confirmed) => Transition::Done(confirmed),
+                    None => continue,
+                }
+            }
+        };
+        return Ok(transition);
+    }
+    Err(StorageError::Internal(format!("reservation {id} left held twice")))
+}
+
+pub async fn release_reservation(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    id: &str,
+    now_ms: i64,
+) -> Result<Transition, StorageError> {
+    for _ in 0..TRANSITION_READS {
+        let Some(reservation) = load_reservation(conn, tenant.as_str(), id).await? else {
+            return Ok(Transition::NotFound);
+        };
+        let transition = match reservation.state {
+            ReservationState::Released | ReservationState::Expired => Transition::Done(reservation),
+            ReservationState::Confirmed => Transition::Refused(ReservationState::Confirmed, reservation),
+            ReservationState::Held => {
+                match finish_reservation(conn, tenant.as_str(), reservation, ReservationState::Released, now_ms).await?
+                {
+                    Some(released) => Transition::Done(released),
+                    None => continue,
+                }
+            }
+        };
+        return Ok(transition);
+    }
+    Err(StorageError::Internal(format!("reservation {id} left held twice")))
+}
+
+pub async fn expire_due(conn: &mut PgConnection, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
+    // SKIP LOCKED: the sweepers of several processes each take different due rows, and a row a
+    // confirm or release is moving right now is left to it.
+    let rows = sqlx::query(
+        "SELECT tenant_id, id, order_id, state, lines, expires_at FROM reservations
+         WHERE state = 'held' AND expires_at <= $1 ORDER BY expires_at LIMIT $2
+         FOR UPDATE SKIP LOCKED",
+    )
+    .bind(now_ms)
+    .bind(i64::from(limit))
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut expired = 0;
+    for row in &rows {
+        let tenant: &str = row.try_get("tenant_id")?;
+        let reservation = reservation_from_row(row)?;
+        let id = reservation.id.clone();
+        // The row is locked by this transaction, so it is still held.
+        if finish_reservation(conn, tenant, reservation, ReservationState::Expired, now_ms).await?.is_none() {
+            return Err(StorageError::Internal(format!("locked reservation {id} was not held")));
+        }
+        expired += 1;
+    }
+    Ok(expired)
+}
+
+pub async fn purge_idempotency(conn: &mut PgConnection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+    let deleted = sqlx::query(
+        "DELETE FROM idempotency WHERE (tenant_id, key) IN
+           (SELECT tenant_id, key FROM idempotency WHERE created_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    )
+    .bind(before_ms)
+    .bind(i64::from(limit))
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    Ok(deleted)
+}

@@ -1,0 +1,243 @@
+//! Several stateless stockd processes on one database, clients spread across them: the
+//! promises hold across processes because the database decides, not in-process locks.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use serde_json::Value;
+use tokio::sync::Barrier;
+
+use crate::helpers::{
+    assert_counts, deduct, entries_with_op, reserve, spawn_app_with, try_send, AppOptions, Reply, TenantClient, TestApp,
+};
+
+const FAST_SWEEP: &str = "[reservations]\nsweep_interval_ms = 200";
+/// How long reservations may take to expire with three sweepers running.
+const EXPIRY_DEADLINE: Duration = Duration::from_secs(20);
+
+/// Three processes on one database; returns them and the tenant as seen by each.
+async fn cluster(opts: AppOptions) -> (Vec<TestApp>, Vec<TenantClient>) {
+    let first = spawn_app_with(opts).await;
+    let shop = first.create_tenant("shop").await;
+    let second = first.spawn_sibling().await;
+    let third = first.spawn_sibling().await;
+    let apps = vec![first, second, third];
+    let clients = apps.iter().map(|app| app.tenant_with_key(&shop.id, &shop.api_key)).collect();
+    (apps, clients)
+}
+
+/// 64 clients spread over three processes, 2 orders each, on a stock of 50: exactly 50 succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_racing_for_fifty_units_sell_exactly_fifty() {
+    let (_apps, shops) = cluster(AppOptions::default()).await;
+    shops[0].create_resource("sku-hot", 50).await;
+
+    let barrier = Arc::new(Barrier::new(64));
+    let clients = (0..64).map(|client| {
+        let shop = shops[client % shops.len()].clone();
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let mut replies = Vec::new();
+            for n in 0..2 {
+                let key = format!("c{client}-o{n}");
+                replies.push(shop.order(&key, &deduct(&key, &[("sku-hot", 1)])).await);
+            }
+            replies
+        })
+    });
+    let replies: Vec<Reply> =
+        join_all(clients).await.into_iter().flat_map(|r| r.expect("client task does not panic")).collect();
+
+    let created = replies.iter().filter(|r| r.status() == 201).count();
+    let rejected = replies.iter().filter(|r| r.status() == 409).count();
+    let other: Vec<String> = replies
+        .iter()
+        .filter(|r| ![201, 409].contains(&r.status()))
+        .map(|r| format!("{} {}", r.status, r.text))
+        .collect();
+    assert!(other.is_empty(), "unexpected answers: {other:?}");
+    assert_eq!((created, rejected), (50, 78));
+
+    // Every process reads the same state.
+    for shop in &shops {
+        assert_counts(&shop.state("sku-hot").await, 0, 0, 50, 50);
+    }
+    let ledger = shops[1].assert_ledger_replays_to_state("sku-hot").await;
+    assert_eq!(entries_with_op(&ledger, "deduct").len(), 50);
+    shops[2].assert_reconciliation_clean(1).await;
+}
+
+/// 30 copies of one request sent concurrently to three processes: applied once, and every
+/// answer carries the same status and body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_replays_sent_to_different_processes_apply_once() {
+    let (_apps, shops) = cluster(AppOptions::default()).await;
+    shops[0].create_resource("sku-1", 100).await;
+    let body = deduct("ORD-1", &[("sku-1", 7)]);
+
+    let barrier = Arc::new(Barrier::new(30));
+    let copies = (0..30).map(|i| {
+        let shop = shops[i % shops.len()].clone();
+        let barrier = barrier.clone();
+        let body = body.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            shop.order("the-one-key", &body).await
+        })
+    });
+    let replies: Vec<Reply> =
+        join_all(copies).await.into_iter().map(|r| r.expect("client task does not panic")).collect();
+
+    let first = &replies[0];
+    assert_eq!(first.status(), 201, "body: {}", first.text);
+    for reply in &replies {
+        assert_eq!(reply.status(), 201, "body: {}", reply.text);
+        assert_eq!(reply.json(), first.json());
+    }
+    assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1, "exactly one original answer");
+    assert_counts(&shops[2].state("sku-1").await, 93, 0, 7, 100);
+    let ledger = shops[1].assert_ledger_replays_to_state("sku-1").await;
+    assert_eq!(entries_with_op(&ledger, "deduct").len(), 1);
+}
+
+/// Multi-line orders listing the same keys in opposite orders, from clients on three
+/// processes: no deadlock surfaces as an error, and the sums are exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_line_orders_in_opposite_orders_across_processes_are_exact() {
+    let (_apps, shops) = cluster(AppOptions::default()).await;
+    let keys = ["k-1", "k-2", "k-3"];
+    for key in keys {
+        shops[0].create_resource(key, 90).await;
+    }
+    let orders: [[usize; 3]; 2] = [[0, 1, 2], [2, 1, 0]];
+
+    let barrier = Arc::new(Barrier::new(24));
+    let clients = (0..24).map(|client| {
+        let shop = shops[client % shops.len()].clone();
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let mut replies = Vec::new();
+            for n in 0..5 {
+                let lines: Vec<(&str, i64)> = orders[(client + n) % 2].iter().map(|&i| (keys[i], 1)).collect();
+                let key = format!("c{client}-o{n}");
+                replies.push(shop.order(&key, &deduct(&key, &lines)).await);
+            }
+            replies
+        })
+    });
+    let replies: Vec<Reply> =
+        join_all(clients).await.into_iter().flat_map(|r| r.expect("client task does not panic")).collect();
+
+    let created = replies.iter().filter(|r| r.status() == 201).count();
+    let rejected = replies.iter().filter(|r| r.status() == 409).count();
+    assert_eq!((created, rejected), (90, 30), "answers: {:?}", replies.iter().map(|r| r.status()).collect::<Vec<_>>());
+    for key in keys {
+        assert_counts(&shops[0].state(key).await, 0, 0, 90, 90);
+        shops[1].assert_ledger_replays_to_state(key).await;
+    }
+    shops[2].assert_reconciliation_clean(3).await;
+}
+
+/// Three sweepers racing over the same due reservations: each expires exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_sweepers_expire_each_reservation_exactly_once() {
+    let (_apps, shops) = cluster(AppOptions::default().toml(FAST_SWEEP)).await;
+    shops[0].create_resource("sku-1", 100).await;
+    shops[0].create_resource("sku-2", 100).await;
+    let mut ids = Vec::new();
+    for n in 0..20 {
+        let shop = &shops[n % shops.len()];
+        let key = format!("rsv-{n}");
+        let doc = shop.order(&key, &reserve(&key, &[("sku-1", 2), ("sku-2", 1)], Some(1))).await.expect_json(201);
+        ids.push(doc["reservation_id"].as_str().expect("reservation id").to_owned());
+    }
+
+    let deadline = tokio::time::Instant::now() + EXPIRY_DEADLINE;
+    for id in &ids {
+        loop {
+            let state = shops[0].reservation(id).await.expect_json(200);
+            if state["state"] == "expired" {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{id} did not expire: {state}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    assert_counts(&shops[1].state("sku-1").await, 100, 0, 0, 100);
+    assert_counts(&shops[2].state("sku-2").await, 100, 0, 0, 100);
+    for key in ["sku-1", "sku-2"] {
+        let ledger = shops[0].assert_ledger_replays_to_state(key).await;
+        let expired: Vec<&str> =
+            entries_with_op(&ledger, "expire").iter().filter_map(|e| e["reservation_id"].as_str()).collect();
+        let distinct: HashSet<&str> = expired.iter().copied().collect();
+        assert_eq!(expired.len(), 20, "{key}: one expire entry per reservation");
+        assert_eq!(distinct.len(), 20, "{key}: no reservation expired twice");
+    }
+}
+
+/// Load on three processes, one killed with SIGKILL mid-run: the other two keep answering,
+/// and afterwards every acknowledged order is in the ledger exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_one_process_leaves_the_others_serving_and_loses_nothing() {
+    let (mut apps, shops) = cluster(AppOptions::default()).await;
+    shops[0].create_resource("sku-1", 1_000_000).await;
+
+    let acknowledged = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..12)
+        .map(|w| {
+            let shop = shops[w % shops.len()].clone();
+            let acknowledged = acknowledged.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut n = 0;
+                let mut after_kill_ok = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 2_000 {
+                    n += 1;
+                    let key = format!("w{w}-o{n}");
+                    let body = deduct(&key, &[("sku-1", 1)]);
+                    match try_send(shop.keyed("/v1/orders", &key, &body)).await {
+                        Ok(reply) if reply.status() == 201 => {
+                            acknowledged.lock().expect("not poisoned").push(key);
+                            after_kill_ok += 1;
+                        }
+                        // The killed process's clients see connection errors; that is expected.
+                        _ if w % 3 == 2 => tokio::time::sleep(Duration::from_millis(20)).await,
+                        Ok(reply) => panic!("surviving process answered {} {}", reply.status, reply.text),
+                        Err(err) => panic!("surviving process failed: {err}"),
+                    }
+                }
+                after_kill_ok
+            })
+        })
+        .collect();
+
+    // Let load build up, kill the third process, and keep going on the other two.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    apps[2].kill9().await;
+    let before = acknowledged.lock().expect("not poisoned").len();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    join_all(workers).await.into_iter().for_each(|r| {
+        r.expect("worker does not panic");
+    });
+    let acknowledged = acknowledged.lock().expect("not poisoned").clone();
+    assert!(acknowledged.len() > before, "the surviving processes kept acknowledging orders");
+
+    let ledger = shops[0].assert_ledger_replays_to_state("sku-1").await;
+    let deducts = entries_with_op(&ledger, "deduct");
+    let in_ledger: Vec<&str> = deducts.iter().filter_map(|e| e["order_id"].as_str()).collect();
+    let distinct: HashSet<&str> = in_ledger.iter().copied().collect();
+    assert_eq!(in_ledger.len(), distinct.len(), "no order applied twice");
+    for key in &acknowledged {
+        assert!(distinct.contains(key.as_str()), "acknowledged order {key} is in the ledger");
+    }
+    let state = shops[1].state("sku-1").await;
+    assert_eq!(state["consumed"], Value::from(in_ledger.len() as i64));
+    shops[0].assert_reconciliation_clean(1).await;
+}
