@@ -6,6 +6,7 @@
 //! - [`engine`]: the pure domain: newtypes, plans, order outcomes, ledger arithmetic.
 //! - [`storage`]: the storage trait and its backends (SQLite, PostgreSQL), each with group commit.
 //! - [`jobs`]: reservation expiry, reconciliation, idempotency purge.
+//! - [`plugin`]: tenant planning plugins (WebAssembly components) run by wasmtime.
 //! - [`auth`]: API keys and the admin token (hashed, constant-time).
 //! - [`config`], [`startup`], [`cli`], [`telemetry`]: running the process.
 
@@ -15,6 +16,7 @@ pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod jobs;
+pub mod plugin;
 pub mod problem;
 pub mod startup;
 pub mod storage;

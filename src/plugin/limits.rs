@@ -1,0 +1,59 @@
+//! The limits every plugin runs under, and the bounds the host enforces on the plans plugins
+//! return. One [`PluginLimits`] configures the whole host (all tenants).
+
+use crate::engine::MAX_TOTAL;
+
+/// What a plugin may use. The defaults are safe for a shared multi-tenant server; every field
+/// is meant to come from configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginLimits {
+    /// Largest component accepted by [`super::PluginHost::load`], in bytes. Also bounds the
+    /// time one upload spends compiling.
+    pub max_wasm_bytes: usize,
+    /// Fuel one `plan` call may burn (about one unit per WebAssembly instruction). A fresh
+    /// instance gets the same budget again for its instantiation.
+    pub fuel_per_call: u64,
+    /// Largest linear memory one plugin instance may grow to, in bytes.
+    pub max_memory_bytes: usize,
+    /// Idle instances kept per loaded plugin, ready for the next call.
+    pub max_instances_per_plugin: usize,
+    /// Calls one instance serves before it is replaced by a fresh one; `1` gives every call a
+    /// fresh instance (no state at all can pass between orders, at ~10 µs per call).
+    pub calls_per_instance: u32,
+    /// Instances alive at once across all plugins, idle or running. Sizes the pooling
+    /// allocator; at most half of it is kept idle, and a call that would need more gets
+    /// [`super::PluginFailed::Unavailable`].
+    pub max_live_instances: u32,
+    /// Compiled plugins remembered by sha256, so loading the same bytes again is free.
+    pub max_cached_plugins: usize,
+}
+
+impl Default for PluginLimits {
+    fn default() -> Self {
+        Self {
+            // Real plugins are 10-100 KiB; 2 MiB leaves room and keeps compile time short.
+            max_wasm_bytes: 2 << 20,
+            // A 10-line plan of the default plugin burns ~17k; an endless loop stops after ~1 ms.
+            fuel_per_call: 10_000_000,
+            // A Rust plugin starts at ~1.1 MiB (1 MiB stack + data) and needs little more.
+            max_memory_bytes: 16 << 20,
+            // Enough for the threads that plan concurrently for one tenant on a small host.
+            max_instances_per_plugin: 4,
+            // Amortizes the ~10 µs instantiation to ~0.1 µs per call while bounding how much
+            // state a plugin could carry from one order to the next.
+            calls_per_instance: 100,
+            // 256 memory slots of 16 MiB + guard: ~12 GiB of address space, no resident memory.
+            max_live_instances: 256,
+            max_cached_plugins: 256,
+        }
+    }
+}
+
+/// Most targets (primary + fallbacks) one planned line may have.
+pub const MAX_TARGETS_PER_LINE: usize = 8;
+/// Bucket indexes must be below this, and a bucket order may list at most this many.
+pub const MAX_BUCKETS: usize = 1024;
+/// Largest allowance a plan may create a missing resource with (a resource's largest total).
+pub const MAX_CREATE_ALLOWANCE: i64 = MAX_TOTAL;
+/// Characters kept of a reason a plugin gives for refusing an order.
+pub const MAX_REASON_CHARS: usize = 500;
