@@ -26,6 +26,23 @@ pub enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Work with tenant plugins.
+    Plugin {
+        #[command(subcommand)]
+        command: PluginCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PluginCommand {
+    /// Validate a plugin component and print its plans for sample orders.
+    Check {
+        /// The component (.wasm).
+        file: PathBuf,
+        /// A TOML file of sample orders (see plugins/README.md); a built-in sample otherwise.
+        #[arg(long)]
+        cases: Option<PathBuf>,
+    },
 }
 
 /// Parses arguments and runs the chosen command.
@@ -39,6 +56,9 @@ pub async fn main() -> anyhow::Result<()> {
             crate::startup::migrate(&config).await?;
             println!("migrations applied");
             Ok(())
+        }
+        Command::Plugin { command: PluginCommand::Check { file, cases } } => {
+            crate::plugin::check(&file, cases.as_deref())
         }
     }
 }

@@ -22,7 +22,49 @@ pub struct Config {
     pub reservations: ReservationsConfig,
     pub reconciliation: ReconciliationConfig,
     pub auth: AuthConfig,
+    pub plugins: PluginsConfig,
     pub tenants: Vec<TenantConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PluginsConfig {
+    /// Largest component a tenant may upload.
+    pub max_wasm_bytes: usize,
+    /// Fuel one plan call may burn (about one unit per instruction); an endless loop stops here.
+    pub fuel_per_call: u64,
+    /// Largest linear memory one plugin instance may grow to.
+    pub max_memory_bytes: usize,
+    /// Calls one live instance serves before a fresh one replaces it (1: a fresh one per call).
+    pub calls_per_instance: u32,
+    /// How long a process trusts its cached view of a tenant's active version; an upload or
+    /// activation through another process takes effect here within this time.
+    pub cache_ttl_ms: u64,
+}
+
+impl Default for PluginsConfig {
+    fn default() -> Self {
+        let limits = crate::plugin::PluginLimits::default();
+        Self {
+            max_wasm_bytes: limits.max_wasm_bytes,
+            fuel_per_call: limits.fuel_per_call,
+            max_memory_bytes: limits.max_memory_bytes,
+            calls_per_instance: limits.calls_per_instance,
+            cache_ttl_ms: 1_000,
+        }
+    }
+}
+
+impl PluginsConfig {
+    pub fn limits(&self) -> crate::plugin::PluginLimits {
+        crate::plugin::PluginLimits {
+            max_wasm_bytes: self.max_wasm_bytes,
+            fuel_per_call: self.fuel_per_call,
+            max_memory_bytes: self.max_memory_bytes,
+            calls_per_instance: self.calls_per_instance,
+            ..crate::plugin::PluginLimits::default()
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -199,6 +241,12 @@ pub struct TenantConfig {
     pub api_key_env: Option<String>,
     #[serde(default)]
     pub resources: Vec<SeedResource>,
+    /// A plugin component file; uploaded as a new version at start-up when it differs from
+    /// the active one.
+    pub plugin: Option<std::path::PathBuf>,
+    /// The plugin's configuration text.
+    #[serde(default)]
+    pub plugin_config: String,
 }
 
 /// A resource created at start-up if missing (never changed if it exists).
@@ -249,6 +297,10 @@ impl Config {
             ("idempotency.purge_interval_seconds", self.idempotency.purge_interval_seconds),
             ("reservations.sweep_interval_ms", self.reservations.sweep_interval_ms),
             ("reservations.sweep_batch", u64::from(self.reservations.sweep_batch)),
+            ("plugins.max_wasm_bytes", self.plugins.max_wasm_bytes as u64),
+            ("plugins.fuel_per_call", self.plugins.fuel_per_call),
+            ("plugins.max_memory_bytes", self.plugins.max_memory_bytes as u64),
+            ("plugins.calls_per_instance", u64::from(self.plugins.calls_per_instance)),
         ];
         for (name, value) in positive {
             if value == 0 {

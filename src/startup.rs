@@ -12,12 +12,13 @@ use tokio::sync::watch;
 use crate::api::{self, ApiSettings, AppState};
 use crate::auth::{self, Authenticator};
 use crate::config::{Config, RunMode};
-use crate::engine::{DefaultPlanner, ResourceKey, TenantId};
+use crate::engine::{ResourceKey, TenantId};
 use crate::jobs::{self, JobSettings};
+use crate::plugin::{PluginHost, Registry};
 use crate::storage::postgres::{PgSettings, PgStorage};
 use crate::storage::sqlite::{SqliteSettings, SqliteStorage};
 use crate::storage::writer_limits;
-use crate::storage::{NewResource, Storage};
+use crate::storage::{NewResource, PluginUpload, Storage};
 use crate::time::now_ms;
 
 /// Opens the configured storage backend (migrating it).
@@ -95,7 +96,7 @@ fn admin_token(config: &Config) -> anyhow::Result<(String, Option<String>)> {
 }
 
 /// Creates config-declared tenants, their keys and seed resources. Idempotent across restarts.
-async fn declare_tenants(storage: &Arc<dyn Storage>, config: &Config) -> anyhow::Result<()> {
+async fn declare_tenants(storage: &Arc<dyn Storage>, plugins: &Registry, config: &Config) -> anyhow::Result<()> {
     for t in &config.tenants {
         let id = TenantId::parse(t.id.clone())?;
         let hash = match (&t.api_key_sha256, &t.api_key_env) {
@@ -111,6 +112,21 @@ async fn declare_tenants(storage: &Arc<dyn Storage>, config: &Config) -> anyhow:
         for r in &t.resources {
             let new = NewResource { key: ResourceKey::parse(r.key.clone())?, kind: r.kind, total: r.total };
             storage.create_resource(&id, &new, now_ms()).await?;
+        }
+        if let Some(path) = &t.plugin {
+            let wasm =
+                std::fs::read(path).with_context(|| format!("tenant {id}: reading plugin {}", path.display()))?;
+            let plugin = plugins
+                .load(Arc::new(wasm.clone()))
+                .await
+                .map_err(|e| anyhow::anyhow!("tenant {id}: plugin {}: {e}", path.display()))?;
+            let active = storage.active_plugin(&id).await?;
+            let unchanged = active.is_some_and(|a| a.sha256 == plugin.sha256() && a.config == t.plugin_config);
+            if !unchanged {
+                let upload = PluginUpload { sha256: plugin.sha256(), wasm, config: t.plugin_config.clone() };
+                let saved = storage.save_plugin(&id, &upload, now_ms()).await?;
+                tracing::info!(tenant = %id, version = saved.version, "config plugin uploaded");
+            }
         }
     }
     Ok(())
@@ -140,7 +156,9 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     let (admin_hash, minted_admin) = admin_token(&config)?;
     let metrics = crate::telemetry::init_metrics()?;
     let storage = open_storage(&config).await?;
-    declare_tenants(&storage, &config).await?;
+    let host = Arc::new(PluginHost::new(config.plugins.limits()).context("starting the plugin host")?);
+    let plugins = Arc::new(Registry::new(host, storage.clone(), Duration::from_millis(config.plugins.cache_ttl_ms)));
+    declare_tenants(&storage, &plugins, &config).await?;
     let listener =
         TcpListener::bind(&config.server.listen).await.with_context(|| format!("binding {}", config.server.listen))?;
     let addr = listener.local_addr()?;
@@ -154,7 +172,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     let state = Arc::new(AppState {
         storage: storage.clone(),
         auth: Authenticator::new(admin_hash, Duration::from_millis(config.auth.cache_ttl_ms)),
-        planner: Arc::new(DefaultPlanner),
+        plugins,
         settings: ApiSettings {
             body_limit_bytes: config.server.body_limit_bytes,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),

@@ -3,7 +3,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{admin, ops, orders, reservations, resources};
+use super::{admin, ops, orders, plugins, reservations, resources};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -15,6 +15,7 @@ use super::{admin, ops, orders, reservations, resources};
         resources::adjust, resources::ledger,
         orders::create_order, orders::dry_run,
         reservations::get_reservation, reservations::confirm, reservations::release, reservations::reconciliation,
+        plugins::put_plugin, plugins::get_plugin, plugins::list_versions, plugins::activate,
     ),
     components(schemas(crate::problem::Problem)),
     modifiers(&Security),
@@ -22,6 +23,7 @@ use super::{admin, ops, orders, reservations, resources};
         (name = "orders", description = "Deduct or reserve several lines at once"),
         (name = "resources", description = "Consumable counters and their ledgers"),
         (name = "reservations", description = "Held stock: confirm, release, expiry"),
+        (name = "plugins", description = "The tenant's planning plugin (WebAssembly component)"),
         (name = "admin", description = "Tenants and API keys (admin token)"),
     )
 )]

@@ -7,6 +7,7 @@ pub mod error;
 pub mod extract;
 pub mod ops;
 pub mod orders;
+pub mod plugins;
 pub mod reservations;
 pub mod resources;
 
@@ -23,7 +24,7 @@ use tower_http::catch_panic::CatchPanicLayer;
 
 use self::error::ApiError;
 use crate::auth::Authenticator;
-use crate::engine::Planner;
+use crate::plugin::Registry;
 use crate::storage::{ContentType, Idempotent, Storage, StoredResponse};
 
 /// Limits and defaults the handlers apply.
@@ -39,7 +40,7 @@ pub struct ApiSettings {
 pub struct AppState {
     pub storage: Arc<dyn Storage>,
     pub auth: Authenticator,
-    pub planner: Arc<dyn Planner>,
+    pub plugins: Arc<Registry>,
     pub settings: ApiSettings,
     pub metrics: Option<PrometheusHandle>,
 }
@@ -54,6 +55,7 @@ pub fn router(state: SharedState) -> Router {
         .merge(admin::routes())
         .merge(resources::routes())
         .merge(orders::routes())
+        .merge(plugins::routes(state.plugins.host().limits().max_wasm_bytes))
         .merge(reservations::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

@@ -12,6 +12,7 @@ use super::extract::{IdemKey, Tenant, ValidJson};
 use super::{idempotent_response, SharedState};
 use crate::engine::order::OrderBody;
 use crate::engine::{LineResult, OrderDocument, OrderRequest, OrderStatus, Plan, TenantId};
+use crate::plugin::PlanFailure;
 use crate::storage::OrderJob;
 use crate::time::now_ms;
 
@@ -29,10 +30,10 @@ fn validate(state: &SharedState, body: OrderBody) -> Result<OrderRequest, ApiErr
     body.validate(state.settings.max_lines).map_err(|(field, err)| ApiError::validation(&field, err))
 }
 
-fn plan(state: &SharedState, tenant: &TenantId, order: &OrderRequest, now_ms: i64) -> Result<Plan, ApiError> {
-    state.planner.plan(tenant, order, now_ms).map_err(|e| {
-        metrics::counter!("stockd_plugin_failures_total").increment(1);
-        ApiError::new(422, "plugin_failed", "Plugin failed", e.0)
+async fn plan(state: &SharedState, tenant: &TenantId, order: &OrderRequest, now_ms: i64) -> Result<Plan, ApiError> {
+    state.plugins.plan(tenant, order, now_ms).await.map_err(|e| match e {
+        PlanFailure::Plugin(reason) => ApiError::new(422, "plugin_failed", "Plugin failed", reason),
+        PlanFailure::Storage(err) => err.into(),
     })
 }
 
@@ -45,8 +46,8 @@ fn record_outcome(status: OrderStatus, lines: &[LineResult]) {
     metrics::counter!("stockd_orders_total", "status" => status_label).increment(1);
     for line in lines {
         let (result, reason) = match (line, status) {
-            (LineResult::Applied, OrderStatus::Rejected) => ("rejected", "skipped"),
-            (LineResult::Applied, _) => ("applied", ""),
+            (LineResult::Applied(_), OrderStatus::Rejected) => ("rejected", "skipped"),
+            (LineResult::Applied(_), _) => ("applied", ""),
             (LineResult::Rejected(reason), _) => ("rejected", reason.as_str()),
         };
         metrics::counter!("stockd_deductions_total", "result" => result, "reason" => reason).increment(1);
@@ -74,7 +75,7 @@ pub async fn create_order(
     let idempotency = body.idempotency(key);
     let order = validate(&state, body.value)?;
     let now = now_ms();
-    let plan = plan(&state, &auth.tenant, &order, now)?;
+    let plan = plan(&state, &auth.tenant, &order, now).await?;
     let ttl_seconds = order.ttl_seconds.unwrap_or(state.settings.default_ttl_seconds);
     let job = OrderJob { tenant: auth.tenant, idempotency, order, plan, ttl_ms: ttl_seconds.saturating_mul(1000) };
     let executed = state.storage.execute_order(job, now).await?;
@@ -98,7 +99,7 @@ pub async fn dry_run(
     body: ValidJson<OrderBody>,
 ) -> Result<Json<DryRun>, ApiError> {
     let order = validate(&state, body.value)?;
-    let plan = plan(&state, &auth.tenant, &order, now_ms())?;
+    let plan = plan(&state, &auth.tenant, &order, now_ms()).await?;
     let outcome = state.storage.preview_order(&auth.tenant, &order, &plan).await?;
     Ok(Json(DryRun { plan, outcome }))
 }

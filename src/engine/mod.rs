@@ -8,7 +8,7 @@ pub mod resource;
 pub mod types;
 
 pub use order::{LineResult, OrderDocument, OrderRequest, OrderStatus, Reason};
-pub use plan::{DefaultPlanner, PartialPolicy, Plan, PlannedLine, Planner, PlannerRef};
+pub use plan::{DefaultPlanner, LimitSpec, PartialPolicy, Plan, PlanError, PlannedLine, Planner, PlannerRef, Target};
 pub use resource::{
     reconcile, Counters, Drift, LedgerEntry, LedgerSum, NewestEntry, Reconciliation, Reservation, ReservationLine,
     ResourceState,

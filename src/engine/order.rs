@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::plan::{PartialPolicy, Plan, PlannerRef};
+#[cfg(test)]
+use super::plan::{PlannedLine, Target};
 use super::types::{Action, InvalidValue, OrderId, Quantity, ResourceKey, UserId};
 use crate::time::Timestamp;
 
@@ -126,8 +128,15 @@ impl Reason {
 /// What storage reports for one planned line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LineResult {
-    Applied,
+    /// Applied to the line's target of this index (0: the primary).
+    Applied(usize),
     Rejected(Reason),
+}
+
+impl LineResult {
+    pub fn applied(self) -> bool {
+        matches!(self, LineResult::Applied(_))
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -146,15 +155,21 @@ pub enum LineStatus {
     Skipped,
 }
 
-/// The order's fate given each line's result. Pure, so every backend decides identically.
-pub fn decide(policy: PartialPolicy, results: &[LineResult]) -> OrderStatus {
-    let applied = results.iter().filter(|r| **r == LineResult::Applied).count();
+/// The order's fate given each planned line's result (in plan order). Pure, so every backend
+/// decides identically.
+pub fn decide(plan: &Plan, results: &[LineResult]) -> OrderStatus {
+    let applied = results.iter().filter(|r| r.applied()).count();
+    let mandatory_missed = plan.lines.iter().zip(results).any(|(line, r)| line.mandatory && !r.applied());
     if applied == results.len() {
         OrderStatus::Succeeded
-    } else if applied == 0 || policy == PartialPolicy::AllOrNothing {
+    } else if applied == 0 {
         OrderStatus::Rejected
     } else {
-        OrderStatus::Partial
+        match plan.policy {
+            PartialPolicy::AllOrNothing => OrderStatus::Rejected,
+            PartialPolicy::MandatoryLines if mandatory_missed => OrderStatus::Rejected,
+            PartialPolicy::AllowPartial | PartialPolicy::MandatoryLines => OrderStatus::Partial,
+        }
     }
 }
 
@@ -191,7 +206,7 @@ impl OrderDocument {
         results: &[LineResult],
         reservation: Option<(String, Timestamp)>,
     ) -> Self {
-        let status = decide(plan.policy, results);
+        let status = decide(plan, results);
         let lines = plan
             .lines
             .iter()
@@ -199,13 +214,18 @@ impl OrderDocument {
             .map(|(planned, result)| {
                 let key = order.lines.get(planned.line).map(|l| l.key.to_string()).unwrap_or_default();
                 let (line_status, applied, reason) = match (result, status) {
-                    (LineResult::Applied, OrderStatus::Rejected) => (LineStatus::Skipped, 0, Some(Reason::Skipped)),
-                    (LineResult::Applied, _) => (LineStatus::Applied, planned.qty, None),
+                    (LineResult::Applied(_), OrderStatus::Rejected) => (LineStatus::Skipped, 0, Some(Reason::Skipped)),
+                    (LineResult::Applied(_), _) => (LineStatus::Applied, planned.qty, None),
                     (LineResult::Rejected(reason), _) => (LineStatus::Rejected, 0, Some(*reason)),
+                };
+                // The resource the line applied to (a fallback, perhaps), else its primary.
+                let target = match (result, status) {
+                    (LineResult::Applied(i), s) if s != OrderStatus::Rejected => planned.targets.get(*i),
+                    _ => planned.primary(),
                 };
                 LineDocument {
                     key,
-                    resource: planned.resource.to_string(),
+                    resource: target.map(|t| t.resource.to_string()).unwrap_or_default(),
                     qty: planned.qty,
                     applied,
                     status: line_status,
@@ -233,12 +253,34 @@ impl OrderDocument {
 mod tests {
     use super::*;
 
+    fn plan(policy: PartialPolicy, mandatory: &[bool]) -> Plan {
+        let lines = mandatory
+            .iter()
+            .enumerate()
+            .map(|(line, &mandatory)| PlannedLine {
+                line,
+                qty: 1,
+                mandatory,
+                targets: vec![Target::plain(ResourceKey::parse(format!("k{line}")).unwrap_or_else(|e| panic!("{e}")))],
+                limit: None,
+            })
+            .collect();
+        Plan { planner: PlannerRef::builtin(), policy, lines }
+    }
+
     #[test]
     fn all_or_nothing_rejects_on_any_failed_line() {
-        let r = [LineResult::Applied, LineResult::Rejected(Reason::Insufficient)];
-        assert_eq!(decide(PartialPolicy::AllOrNothing, &r), OrderStatus::Rejected);
-        assert_eq!(decide(PartialPolicy::AllowPartial, &r), OrderStatus::Partial);
-        assert_eq!(decide(PartialPolicy::AllowPartial, &r[1..]), OrderStatus::Rejected);
-        assert_eq!(decide(PartialPolicy::AllOrNothing, &r[..1]), OrderStatus::Succeeded);
+        let r = [LineResult::Applied(0), LineResult::Rejected(Reason::Insufficient)];
+        assert_eq!(decide(&plan(PartialPolicy::AllOrNothing, &[false, false]), &r), OrderStatus::Rejected);
+        assert_eq!(decide(&plan(PartialPolicy::AllowPartial, &[false, false]), &r), OrderStatus::Partial);
+        assert_eq!(decide(&plan(PartialPolicy::AllowPartial, &[false]), &r[1..]), OrderStatus::Rejected);
+        assert_eq!(decide(&plan(PartialPolicy::AllOrNothing, &[false]), &r[..1]), OrderStatus::Succeeded);
+    }
+
+    #[test]
+    fn mandatory_lines_must_all_apply() {
+        let r = [LineResult::Applied(1), LineResult::Rejected(Reason::Insufficient)];
+        assert_eq!(decide(&plan(PartialPolicy::MandatoryLines, &[true, false]), &r), OrderStatus::Partial);
+        assert_eq!(decide(&plan(PartialPolicy::MandatoryLines, &[true, true]), &r), OrderStatus::Rejected);
     }
 }

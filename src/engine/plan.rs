@@ -29,18 +29,61 @@ pub enum PartialPolicy {
     AllOrNothing,
     /// Lines that can apply do; the order is `partial` when some could not.
     AllowPartial,
+    /// Like `AllowPartial`, but the order is rejected unless every mandatory line applied.
+    MandatoryLines,
 }
 
-/// One resource change the plan asks for.
+/// One resource a planned line may take from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct Target {
+    /// The canonical resource.
+    pub resource: ResourceKey,
+    /// The kind the resource must be, when the plan cares.
+    pub kind: Option<Kind>,
+    /// Create the resource with this allowance when it does not exist (e.g. a new quota period).
+    pub create_if_missing: Option<i64>,
+    /// The order in which a bucketed resource's buckets are tried; empty: the core's default.
+    pub buckets: Vec<u16>,
+}
+
+impl Target {
+    /// A plain target: this resource, any kind, no creation, default bucket order.
+    pub fn plain(resource: ResourceKey) -> Self {
+        Self { resource, kind: None, create_if_missing: None, buckets: Vec::new() }
+    }
+}
+
+/// A per-user limit: the line applies only if `used(key) + qty <= max`, atomically with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct LimitSpec {
+    pub key: ResourceKey,
+    pub max: i64,
+}
+
+/// The resource change the plan asks for one order line.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct PlannedLine {
     /// Index of the order line this change serves.
     pub line: usize,
-    /// The canonical resource the line deducts from.
-    pub resource: ResourceKey,
-    /// The kind the plan expects the resource to be, when it cares.
-    pub kind: Option<Kind>,
     pub qty: i64,
+    /// With [`PartialPolicy::MandatoryLines`]: the order fails unless this line applies.
+    pub mandatory: bool,
+    /// At least one: the primary resource, then fallbacks tried in order.
+    pub targets: Vec<Target>,
+    pub limit: Option<LimitSpec>,
+}
+
+impl PlannedLine {
+    /// The primary target (plans always have at least one).
+    pub fn primary(&self) -> Option<&Target> {
+        self.targets.first()
+    }
+
+    /// The smallest resource key this line may touch: lines are applied in this order so
+    /// concurrent multi-line orders never wait on each other in a cycle.
+    pub fn lock_key(&self) -> Option<&ResourceKey> {
+        self.targets.iter().map(|t| &t.resource).min()
+    }
 }
 
 /// The complete decision for one order, before anything is applied.
@@ -50,6 +93,13 @@ pub struct Plan {
     pub policy: PartialPolicy,
     /// One entry per order line, in line order.
     pub lines: Vec<PlannedLine>,
+}
+
+impl Plan {
+    /// Every resource the plan may touch, for backends that lock rows up front.
+    pub fn resources(&self) -> impl Iterator<Item = &ResourceKey> {
+        self.lines.iter().flat_map(|l| l.targets.iter().map(|t| &t.resource))
+    }
 }
 
 /// A planner that could not produce a usable plan; fails only its own request.
@@ -71,7 +121,13 @@ impl Planner for DefaultPlanner {
             .lines
             .iter()
             .enumerate()
-            .map(|(line, l)| PlannedLine { line, resource: l.key.clone(), kind: None, qty: l.qty.get() })
+            .map(|(line, l)| PlannedLine {
+                line,
+                qty: l.qty.get(),
+                mandatory: false,
+                targets: vec![Target::plain(l.key.clone())],
+                limit: None,
+            })
             .collect();
         Ok(Plan { planner: PlannerRef::builtin(), policy: PartialPolicy::AllOrNothing, lines })
     }

@@ -148,6 +148,9 @@ pub struct ReservationLine {
     pub key: String,
     pub resource: String,
     pub qty: i64,
+    /// The per-user limit the line counted against; given back on release or expiry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit_key: Option<String>,
 }
 
 /// A reservation as clients see it.

@@ -49,14 +49,17 @@ pub struct PluginHost {
     budget: Arc<InstanceBudget>,
 }
 
-/// Compiled plugins by sha256, oldest first for eviction.
+/// Compiled plugins by sha256, oldest first for eviction. Only the compiled, pre-linked code is
+/// shared: every `load` gets its own instance pool, so two tenants uploading the same bytes
+/// never share an instance (or anything an instance remembers).
 #[derive(Default)]
 struct Cache {
-    by_sha256: HashMap<[u8; 32], Arc<LoadedPlugin>>,
+    by_sha256: HashMap<[u8; 32], PlannerPre<CallState>>,
     order: VecDeque<[u8; 32]>,
 }
 
-/// A validated, compiled plugin, ready to plan. Shared by every request of its tenant.
+/// A validated, compiled plugin, ready to plan, with its own pool of live instances. Shared
+/// by every request of the tenant (and version) that loaded it, never across tenants.
 pub struct LoadedPlugin {
     sha256: [u8; 32],
     engine: Engine,
@@ -170,8 +173,8 @@ impl PluginHost {
         }
         check_header(wasm)?;
         let sha256: [u8; 32] = Sha256::digest(wasm).into();
-        if let Some(plugin) = self.cache().by_sha256.get(&sha256) {
-            return Ok(Arc::clone(plugin));
+        if let Some(pre) = self.cache().by_sha256.get(&sha256) {
+            return Ok(Arc::new(self.with_own_pool(sha256, pre.clone())));
         }
 
         let component = Component::new(&self.engine, wasm)
@@ -186,14 +189,7 @@ impl PluginHost {
                 short_error(&e)
             ))
         })?;
-        let plugin = LoadedPlugin {
-            sha256,
-            engine: self.engine.clone(),
-            pre,
-            limits: self.limits.clone(),
-            idle: Mutex::default(),
-            budget: Arc::clone(&self.budget),
-        };
+        let plugin = self.with_own_pool(sha256, pre.clone());
         // One real instantiation now: a plugin whose memory, tables or start-up work exceed
         // the limits is refused at upload, not on its first order. The instance is kept.
         let first = plugin.instantiate().map_err(|failed| {
@@ -202,20 +198,29 @@ impl PluginHost {
         plugin.give_back(first);
 
         let mut cache = self.cache();
-        if let Some(existing) = cache.by_sha256.get(&sha256) {
-            // Another thread compiled the same bytes meanwhile: everyone shares its copy.
-            return Ok(Arc::clone(existing));
-        }
-        let plugin = Arc::new(plugin);
-        while cache.order.len() >= self.limits.max_cached_plugins.max(1) {
-            if let Some(oldest) = cache.order.pop_front() {
-                // Holders of the evicted plugin keep using it; only the cache forgets it.
-                cache.by_sha256.remove(&oldest);
+        if !cache.by_sha256.contains_key(&sha256) {
+            while cache.order.len() >= self.limits.max_cached_plugins.max(1) {
+                if let Some(oldest) = cache.order.pop_front() {
+                    // Holders of the evicted plugin keep using it; only the cache forgets it.
+                    cache.by_sha256.remove(&oldest);
+                }
             }
+            cache.by_sha256.insert(sha256, pre);
+            cache.order.push_back(sha256);
         }
-        cache.by_sha256.insert(sha256, Arc::clone(&plugin));
-        cache.order.push_back(sha256);
-        Ok(plugin)
+        Ok(Arc::new(plugin))
+    }
+
+    /// A plugin handle over compiled code, with an empty instance pool of its own.
+    fn with_own_pool(&self, sha256: [u8; 32], pre: PlannerPre<CallState>) -> LoadedPlugin {
+        LoadedPlugin {
+            sha256,
+            engine: self.engine.clone(),
+            pre,
+            limits: self.limits.clone(),
+            idle: Mutex::default(),
+            budget: Arc::clone(&self.budget),
+        }
     }
 
     fn cache(&self) -> MutexGuard<'_, Cache> {

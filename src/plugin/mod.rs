@@ -20,6 +20,7 @@ mod convert;
 mod host;
 mod limits;
 mod model;
+pub mod registry;
 
 #[cfg(test)]
 mod tests;
@@ -30,3 +31,4 @@ pub use limits::PluginLimits;
 pub use model::{
     PlanInput, PluginFailed, PluginInvalid, PluginLine, PluginPlan, PluginPolicy, PluginTarget, UserLimit,
 };
+pub use registry::{Active, PlanFailure, Registry};

@@ -268,8 +268,42 @@ pub trait Storage: Send + Sync + 'static {
     /// Forgets idempotency records created before `before_ms`; returns how many.
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
 
+    /// Stores a new plugin version for the tenant and makes it the active one.
+    async fn save_plugin(
+        &self,
+        tenant: &TenantId,
+        upload: &PluginUpload,
+        now_ms: i64,
+    ) -> Result<PluginVersion, StorageError>;
+    /// Every stored version, oldest first.
+    async fn list_plugins(&self, tenant: &TenantId) -> Result<Vec<PluginVersion>, StorageError>;
+    /// Makes `version` active (0: the built-in default); `None` when the tenant has no such version.
+    async fn activate_plugin(&self, tenant: &TenantId, version: i64) -> Result<Option<PluginVersion>, StorageError>;
+    /// The active version, or `None` for the built-in default.
+    async fn active_plugin(&self, tenant: &TenantId) -> Result<Option<PluginVersion>, StorageError>;
+    /// A stored version's component bytes.
+    async fn plugin_wasm(&self, tenant: &TenantId, version: i64) -> Result<Option<Vec<u8>>, StorageError>;
+
     /// Finishes queued writes and closes connections.
     async fn close(&self);
+}
+
+/// A plugin upload to store.
+#[derive(Debug, Clone)]
+pub struct PluginUpload {
+    pub sha256: String,
+    pub wasm: Vec<u8>,
+    pub config: String,
+}
+
+/// A stored plugin version (without its bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginVersion {
+    pub version: i64,
+    pub sha256: String,
+    pub config: String,
+    pub uploaded_at_ms: i64,
+    pub active: bool,
 }
 
 /// A freshly minted API key's stored half.

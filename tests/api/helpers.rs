@@ -725,44 +725,7 @@ impl TenantClient {
     /// being written. A server may answer (e.g. 413) and close before a large body is fully
     /// sent; an ordinary client then reports a broken pipe instead of the answer.
     pub async fn post_over_raw_tcp(&self, path: &str, headers: &[(&str, &str)], body: Vec<u8>) -> Reply {
-        let base = self.url("");
-        let authority = base.trim_start_matches("http://").to_owned();
-        let stream = tokio::net::TcpStream::connect(&authority).await.expect("the server accepts connections");
-        let (mut reader, mut writer) = stream.into_split();
-        let mut head = format!(
-            "POST {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {}\r\nContent-Length: {}\r\nConnection: close\r\n",
-            self.api_key,
-            body.len()
-        );
-        for (name, value) in headers {
-            head.push_str(&format!("{name}: {value}\r\n"));
-        }
-        head.push_str("\r\n");
-        let writing = tokio::spawn(async move {
-            if writer.write_all(head.as_bytes()).await.is_err() {
-                return;
-            }
-            for chunk in body.chunks(RAW_CHUNK_BYTES) {
-                // The server may stop reading once it has answered: that is the point.
-                if writer.write_all(chunk).await.is_err() {
-                    return;
-                }
-            }
-        });
-        let mut raw = Vec::new();
-        let reading = async {
-            let mut buf = vec![0u8; RAW_CHUNK_BYTES];
-            // `Connection: close`: the answer ends when the server closes.
-            while let Ok(n) = reader.read(&mut buf).await {
-                if n == 0 || raw.len() > RAW_RESPONSE_MAX_BYTES {
-                    break;
-                }
-                raw.extend_from_slice(&buf[..n]);
-            }
-        };
-        tokio::time::timeout(REQUEST_TIMEOUT, reading).await.expect("the server answers and closes the connection");
-        writing.abort();
-        parse_raw_response(&raw)
+        self.send_over_raw_tcp("POST", path, headers, body).await
     }
 
     /// Creates an `inventory` resource and asserts the 201.
@@ -847,5 +810,108 @@ impl TenantClient {
         let report = self.get("/v1/reconciliation").await.expect_json(200);
         assert_eq!(report["checked"], checked, "reconciliation report: {report}");
         assert_eq!(report["drift"], json!([]), "reconciliation report: {report}");
+    }
+}
+
+/// The bytes of the component `plugins/dist/<name>.wasm` (`default`, `flash-sale`, ...,
+/// `hostile-loop`, ...). The first call in a test process runs `plugins/build.sh`, which builds
+/// every example plugin and hostile fixture; a failed build fails every test that needs one.
+pub fn plugin_wasm(name: &str) -> Vec<u8> {
+    static DIST: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    let dist = match DIST.get_or_init(build_plugins) {
+        Ok(dist) => dist,
+        Err(e) => panic!("{e}"),
+    };
+    let path = dist.join(format!("{name}.wasm"));
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn build_plugins() -> Result<PathBuf, String> {
+    let output = std::process::Command::new("bash")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/plugins/build.sh"))
+        .output()
+        .map_err(|e| format!("cannot run plugins/build.sh: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "plugins/build.sh failed ({}); it needs cargo and the wasm32-wasip2 target:\n{}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join("plugins").join("dist"))
+}
+
+impl TenantClient {
+    /// `PUT /v1/plugin` with a component as `application/wasm` and no configuration.
+    pub async fn put_plugin(&self, wasm: Vec<u8>) -> Reply {
+        self.put_plugin_with(wasm, Some("application/wasm"), None).await
+    }
+
+    /// `PUT /v1/plugin?config=<text, url-encoded>` with a component as `application/wasm`.
+    pub async fn put_plugin_config(&self, wasm: Vec<u8>, config: &str) -> Reply {
+        self.put_plugin_with(wasm, Some("application/wasm"), Some(config)).await
+    }
+
+    /// `PUT /v1/plugin` with any (or no) content type and optional configuration text.
+    pub async fn put_plugin_with(&self, body: Vec<u8>, content_type: Option<&str>, config: Option<&str>) -> Reply {
+        let mut request = self.request(Method::PUT, "/v1/plugin").body(body);
+        if let Some(content_type) = content_type {
+            request = request.header(CONTENT_TYPE, content_type);
+        }
+        if let Some(config) = config {
+            request = request.query(&[("config", config)]);
+        }
+        send(request).await
+    }
+
+    /// `POST /v1/plugin/versions/{version}/activate`.
+    pub async fn activate_plugin(&self, version: i64) -> Reply {
+        self.post_empty(&format!("/v1/plugin/versions/{version}/activate")).await
+    }
+
+    /// Like `post_over_raw_tcp`, for any method (e.g. an oversized `PUT /v1/plugin`). Unlike it,
+    /// the write half stays open until the answer has been read: a client that half-closes after
+    /// its body may see the server drop the connection unanswered (hyper treats the EOF as the
+    /// client going away), which is not what these tests are about.
+    pub async fn send_over_raw_tcp(&self, method: &str, path: &str, headers: &[(&str, &str)], body: Vec<u8>) -> Reply {
+        let base = self.url("");
+        let authority = base.trim_start_matches("http://").to_owned();
+        let stream = tokio::net::TcpStream::connect(&authority).await.expect("the server accepts connections");
+        let (mut reader, mut writer) = stream.into_split();
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {}\r\nContent-Length: {}\r\nConnection: close\r\n",
+            self.api_key,
+            body.len()
+        );
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        head.push_str("\r\n");
+        // Returns the write half instead of dropping it: dropping it would send FIN.
+        let writing = tokio::spawn(async move {
+            if writer.write_all(head.as_bytes()).await.is_ok() {
+                for chunk in body.chunks(RAW_CHUNK_BYTES) {
+                    // The server may stop reading once it has answered.
+                    if writer.write_all(chunk).await.is_err() {
+                        break;
+                    }
+                }
+            }
+            writer
+        });
+        let mut raw = Vec::new();
+        let reading = async {
+            let mut buf = vec![0u8; RAW_CHUNK_BYTES];
+            while let Ok(n) = reader.read(&mut buf).await {
+                if n == 0 || raw.len() > RAW_RESPONSE_MAX_BYTES {
+                    break;
+                }
+                raw.extend_from_slice(&buf[..n]);
+            }
+        };
+        tokio::time::timeout(REQUEST_TIMEOUT, reading).await.expect("the server answers and closes the connection");
+        writing.abort();
+        parse_raw_response(&raw)
     }
 }

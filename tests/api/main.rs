@@ -16,6 +16,7 @@ mod idempotency;
 mod isolation;
 mod ops;
 mod orders;
+mod plugins;
 mod reservations;
 mod resources;
 mod tenants;

@@ -28,15 +28,15 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use self::ops::{reservation_from_row, resource_from_row};
-use super::sqlite::ops::{line_refusal, RESOURCE_COLUMNS};
+use super::sqlite::ops::{preview_line, RESOURCE_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
-    OrderJob, Storage, StorageError, TenantRecord, Transition,
+    OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
 };
 use crate::engine::{
-    reconcile, LedgerEntry, LedgerOp, LedgerSum, LineResult, NewestEntry, OrderDocument, OrderRequest, Plan,
-    Reconciliation, Reservation, ResourceKey, ResourceState, ResourceStatus, TenantId,
+    reconcile, LedgerEntry, LedgerOp, LedgerSum, NewestEntry, OrderDocument, OrderRequest, Plan, Reconciliation,
+    Reservation, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
 use crate::time::Timestamp;
 
@@ -660,7 +660,7 @@ impl Storage for PgStorage {
 
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
         // Shared rather than cloned per run: an order can carry a hundred lines.
-        let locks = job.plan.lines.iter().map(|line| (job.tenant.to_string(), line.resource.to_string())).collect();
+        let locks = job.plan.resources().map(|resource| (job.tenant.to_string(), resource.to_string())).collect();
         let job = std::sync::Arc::new(job);
         self.submit(
             locks,
@@ -682,8 +682,15 @@ impl Storage for PgStorage {
         let mut tx = conn.begin_with(SNAPSHOT).await?;
         let mut results = Vec::with_capacity(plan.lines.len());
         for line in &plan.lines {
-            let view = ops::line_view(&mut tx, tenant.as_str(), line.resource.as_str()).await?;
-            results.push(line_refusal(view, line).map_or(LineResult::Applied, LineResult::Rejected));
+            let used = match &line.limit {
+                Some(limit) => ops::limit_used(&mut tx, tenant.as_str(), limit.key.as_str()).await?,
+                None => 0,
+            };
+            let mut views = Vec::with_capacity(line.targets.len());
+            for target in &line.targets {
+                views.push(ops::line_view(&mut tx, tenant.as_str(), target.resource.as_str()).await?);
+            }
+            results.push(preview_line(line, used, views));
         }
         tx.commit().await?;
         Ok(OrderDocument::build(order, plan, &results, None))
@@ -795,6 +802,84 @@ impl Storage for PgStorage {
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
         self.submit(Vec::new(), work(move |conn| Box::pin(ops::purge_idempotency(conn, before_ms, limit)))).await
+    }
+
+    async fn save_plugin(
+        &self,
+        tenant: &TenantId,
+        upload: &PluginUpload,
+        now_ms: i64,
+    ) -> Result<PluginVersion, StorageError> {
+        let (tenant, upload) = (tenant.clone(), std::sync::Arc::new(upload.clone()));
+        self.submit(
+            Vec::new(),
+            work(move |conn| {
+                let (tenant, upload) = (tenant.clone(), upload.clone());
+                Box::pin(async move { ops::save_plugin(conn, &tenant, &upload, now_ms).await })
+            }),
+        )
+        .await
+    }
+
+    async fn list_plugins(&self, tenant: &TenantId) -> Result<Vec<PluginVersion>, StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        let rows: Vec<(i64, String, String, i64, bool)> = sqlx::query_as(
+            "SELECT p.version, p.sha256, p.config, p.uploaded_at, COALESCE(a.version = p.version, FALSE)
+             FROM plugins p LEFT JOIN plugin_active a ON a.tenant_id = p.tenant_id
+             WHERE p.tenant_id = $1 ORDER BY p.version LIMIT 10000",
+        )
+        .bind(tenant.as_str())
+        .fetch_all(&mut *conn)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(version, sha256, config, uploaded_at_ms, active)| PluginVersion {
+                version,
+                sha256,
+                config,
+                uploaded_at_ms,
+                active,
+            })
+            .collect())
+    }
+
+    async fn activate_plugin(&self, tenant: &TenantId, version: i64) -> Result<Option<PluginVersion>, StorageError> {
+        let tenant = tenant.clone();
+        self.submit(
+            Vec::new(),
+            work(move |conn| {
+                let tenant = tenant.clone();
+                Box::pin(async move { ops::activate_plugin(conn, &tenant, version).await })
+            }),
+        )
+        .await
+    }
+
+    async fn active_plugin(&self, tenant: &TenantId) -> Result<Option<PluginVersion>, StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        let row: Option<(i64, String, String, i64)> = sqlx::query_as(
+            "SELECT p.version, p.sha256, p.config, p.uploaded_at FROM plugin_active a
+             JOIN plugins p ON p.tenant_id = a.tenant_id AND p.version = a.version WHERE a.tenant_id = $1",
+        )
+        .bind(tenant.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+        Ok(row.map(|(version, sha256, config, uploaded_at_ms)| PluginVersion {
+            version,
+            sha256,
+            config,
+            uploaded_at_ms,
+            active: true,
+        }))
+    }
+
+    async fn plugin_wasm(&self, tenant: &TenantId, version: i64) -> Result<Option<Vec<u8>>, StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        Ok(sqlx::query_scalar("SELECT wasm FROM plugins WHERE tenant_id = $1 AND version = $2")
+            .bind(tenant.as_str())
+            .bind(version)
+            .fetch_optional(&mut *conn)
+            .await?)
     }
 
     async fn close(&self) {

@@ -16,14 +16,14 @@ use ulid::Ulid;
 
 use crate::engine::order::decide;
 use crate::engine::{
-    Action, Kind, LedgerOp, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason, Reservation,
-    ReservationLine, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId, MAX_TOTAL,
+    Action, Kind, LedgerOp, LimitSpec, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason, Reservation,
+    ReservationLine, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
 use crate::problem::Problem;
 use crate::storage::sqlite::ops::{line_refusal, new_request_id, RESOURCE_COLUMNS};
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
-    OrderJob, StorageError, StoredResponse, Transition,
+    OrderJob, PluginUpload, PluginVersion, StorageError, StoredResponse, Transition,
 };
 use crate::time::Timestamp;
 
@@ -325,6 +325,17 @@ pub async fn create_resource(
     res: &NewResource,
     now_ms: i64,
 ) -> Result<Option<ResourceState>, StorageError> {
+    create_resource_as(conn, tenant, res, None, now_ms).await
+}
+
+/// Creates a resource with its `create` ledger row; `plugin_version` when a plan created it.
+async fn create_resource_as(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    res: &NewResource,
+    plugin_version: Option<i64>,
+    now_ms: i64,
+) -> Result<Option<ResourceState>, StorageError> {
     let sql = format!(
         "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
                                 version, created_at, updated_at)
@@ -350,7 +361,7 @@ pub async fn create_resource(
         request_id: "create",
         order_id: None,
         reservation_id: None,
-        plugin_version: None,
+        plugin_version,
         now_ms,
     };
     append_ledger(conn, facts, after).await?;
@@ -463,6 +474,16 @@ const RESERVE_SQL: &str = "UPDATE resources SET available = available - $1, rese
     WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1 AND ($5::text IS NULL OR kind = $5::text)
     RETURNING available, reserved, consumed, version";
 
+/// What a per-user limit key has used so far (0 if never).
+pub(super) async fn limit_used(conn: &mut PgConnection, tenant: &str, key: &str) -> Result<i64, StorageError> {
+    let used: Option<i64> = sqlx::query_scalar("SELECT used FROM user_limits WHERE tenant_id = $1 AND key = $2")
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(&mut *conn)
+        .await?;
+    Ok(used.unwrap_or(0))
+}
+
 /// The `(status, kind, available)` of a resource, for judging lines with [`line_refusal`].
 pub(super) async fn line_view(
     conn: &mut PgConnection,
@@ -487,34 +508,49 @@ struct OrderFacts<'a> {
     now_ms: i64,
 }
 
-async fn apply_line(
+/// One guarded UPDATE of one target, creating the resource first when it is missing and the
+/// plan says so. `None`: applied; `Some(reason)`: refused.
+async fn apply_target(
     conn: &mut PgConnection,
     facts: &OrderFacts<'_>,
-    line: &PlannedLine,
-) -> Result<LineResult, StorageError> {
+    qty: i64,
+    target: &Target,
+) -> Result<Option<Reason>, StorageError> {
     let (sql, op) = match facts.action {
         Action::Deduct => (DEDUCT_SQL, LedgerOp::Deduct),
         Action::Reserve => (RESERVE_SQL, LedgerOp::Reserve),
     };
-    let row = sqlx::query(sql)
-        .bind(line.qty)
-        .bind(facts.now_ms)
-        .bind(facts.tenant.as_str())
-        .bind(line.resource.as_str())
-        .bind(line.kind.map(Kind::as_str))
-        .fetch_optional(&mut *conn)
-        .await?;
+    let tenant = facts.tenant.as_str();
+    let update = || {
+        sqlx::query(sql)
+            .bind(qty)
+            .bind(facts.now_ms)
+            .bind(tenant)
+            .bind(target.resource.as_str())
+            .bind(target.kind.map(Kind::as_str))
+    };
+    let mut row = update().fetch_optional(&mut *conn).await?;
+    if row.is_none() {
+        if let Some(allowance) = target.create_if_missing {
+            // ON CONFLICT DO NOTHING: another process may create the same period concurrently.
+            let kind = target.kind.unwrap_or(Kind::Quota);
+            let new = NewResource { key: target.resource.clone(), kind, total: allowance };
+            if create_resource_as(conn, facts.tenant, &new, facts.plugin_version, facts.now_ms).await?.is_some() {
+                row = update().fetch_optional(&mut *conn).await?;
+            }
+        }
+    }
     let Some(row) = row else {
-        let view = line_view(conn, facts.tenant.as_str(), line.resource.as_str()).await?;
+        let view = line_view(conn, tenant, target.resource.as_str()).await?;
         // The guarded UPDATE refused, so some reason applied at that moment. Another process may
         // have changed the row since (a restock, say); then the refusal was for want of stock.
-        return Ok(LineResult::Rejected(line_refusal(view, line).unwrap_or(Reason::Insufficient)));
+        return Ok(Some(line_refusal(view, target, qty).unwrap_or(Reason::Insufficient)));
     };
     let ledger = LedgerFacts {
-        tenant: facts.tenant.as_str(),
-        resource: line.resource.as_str(),
+        tenant,
+        resource: target.resource.as_str(),
         op,
-        qty: line.qty,
+        qty,
         request_id: facts.request_id,
         order_id: Some(facts.order_id),
         reservation_id: facts.reservation_id,
@@ -522,7 +558,87 @@ async fn apply_line(
         now_ms: facts.now_ms,
     };
     append_ledger(conn, ledger, After::from_row(&row)?).await?;
-    Ok(LineResult::Applied)
+    Ok(None)
+}
+
+/// Counts `qty` against a per-user limit if it stays within `max`; `false`: it would not.
+async fn take_limit(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    limit: &LimitSpec,
+    qty: i64,
+) -> Result<bool, StorageError> {
+    if qty > limit.max {
+        return Ok(false);
+    }
+    let changed = sqlx::query(
+        "INSERT INTO user_limits (tenant_id, key, used) VALUES ($1, $2, $3)
+         ON CONFLICT (tenant_id, key) DO UPDATE SET used = user_limits.used + EXCLUDED.used
+         WHERE user_limits.used + EXCLUDED.used <= $4",
+    )
+    .bind(tenant.as_str())
+    .bind(limit.key.as_str())
+    .bind(qty)
+    .bind(limit.max)
+    .execute(&mut *conn)
+    .await?;
+    Ok(changed.rows_affected() == 1)
+}
+
+/// Gives back what a released or expired reservation line took from its limit.
+async fn give_back_limit(conn: &mut PgConnection, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError> {
+    sqlx::query("UPDATE user_limits SET used = used - $1 WHERE tenant_id = $2 AND key = $3 AND used >= $1")
+        .bind(qty)
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// Applies one planned line: its limit (if any), then the first target that can take it. A
+/// line that fails leaves nothing behind.
+async fn apply_line(
+    conn: &mut PgConnection,
+    facts: &OrderFacts<'_>,
+    line: &PlannedLine,
+) -> Result<LineResult, StorageError> {
+    // Only a line with a limit, or one that may create a resource, can change something and
+    // still fail; only those need a savepoint of their own.
+    let nested = line.limit.is_some() || line.targets.iter().any(|t| t.create_if_missing.is_some());
+    if nested {
+        sqlx::query("SAVEPOINT line").execute(&mut *conn).await?;
+    }
+    let result = apply_line_inner(conn, facts, line).await?;
+    if nested {
+        if !result.applied() {
+            sqlx::query("ROLLBACK TO SAVEPOINT line").execute(&mut *conn).await?;
+        }
+        sqlx::query("RELEASE SAVEPOINT line").execute(&mut *conn).await?;
+    }
+    Ok(result)
+}
+
+async fn apply_line_inner(
+    conn: &mut PgConnection,
+    facts: &OrderFacts<'_>,
+    line: &PlannedLine,
+) -> Result<LineResult, StorageError> {
+    if let Some(limit) = &line.limit {
+        if !take_limit(conn, facts.tenant, limit, line.qty).await? {
+            return Ok(LineResult::Rejected(Reason::LimitExceeded));
+        }
+    }
+    let mut first_refusal = None;
+    for (i, target) in line.targets.iter().enumerate() {
+        match apply_target(conn, facts, line.qty, target).await? {
+            None => return Ok(LineResult::Applied(i)),
+            Some(reason) => {
+                first_refusal.get_or_insert(reason);
+            }
+        }
+    }
+    Ok(LineResult::Rejected(first_refusal.unwrap_or(Reason::ResourceNotFound)))
 }
 
 pub async fn execute_order(
@@ -548,17 +664,17 @@ pub async fn execute_order(
     // Lines are applied in one global order (by resource key) so that concurrent multi-line
     // orders, here or in another process, never wait on each other's row locks in a cycle.
     let mut sequence: Vec<usize> = (0..job.plan.lines.len()).collect();
-    sequence.sort_by(|a, b| job.plan.lines[*a].resource.cmp(&job.plan.lines[*b].resource));
+    sequence.sort_by(|a, b| job.plan.lines[*a].lock_key().cmp(&job.plan.lines[*b].lock_key()));
     // A single line that fails changed nothing, so only multi-line orders need a savepoint.
     let nested = job.plan.lines.len() > 1;
     if nested {
         sqlx::query("SAVEPOINT lines").execute(&mut *conn).await?;
     }
-    let mut results = vec![LineResult::Applied; job.plan.lines.len()];
+    let mut results = vec![LineResult::Rejected(Reason::Skipped); job.plan.lines.len()];
     for i in sequence {
         results[i] = apply_line(conn, &facts, &job.plan.lines[i]).await?;
     }
-    let status = decide(job.plan.policy, &results);
+    let status = decide(&job.plan, &results);
     if nested {
         if status == OrderStatus::Rejected {
             sqlx::query("ROLLBACK TO SAVEPOINT lines").execute(&mut *conn).await?;
@@ -590,11 +706,14 @@ async fn insert_reservation(
         .lines
         .iter()
         .zip(results)
-        .filter(|(_, r)| **r == LineResult::Applied)
-        .map(|(p, _)| ReservationLine {
-            key: job.order.lines.get(p.line).map(|l| l.key.to_string()).unwrap_or_default(),
-            resource: p.resource.to_string(),
-            qty: p.qty,
+        .filter_map(|(p, r)| match r {
+            LineResult::Applied(target) => Some(ReservationLine {
+                key: job.order.lines.get(p.line).map(|l| l.key.to_string()).unwrap_or_default(),
+                resource: p.targets.get(*target).map(|t| t.resource.to_string()).unwrap_or_default(),
+                qty: p.qty,
+                limit_key: p.limit.as_ref().map(|l| l.key.to_string()),
+            }),
+            LineResult::Rejected(_) => None,
         })
         .collect();
     let lines = serde_json::to_string(&lines).map_err(|e| StorageError::Internal(e.to_string()))?;
@@ -692,6 +811,9 @@ async fn finish_reservation(
             now_ms,
         };
         append_ledger(conn, facts, After::from_row(&row)?).await?;
+        if let (Some(key), true) = (&line.limit_key, to != ReservationState::Confirmed) {
+            give_back_limit(conn, tenant, key, line.qty).await?;
+        }
     }
     reservation.state = to;
     Ok(Some(reservation))
@@ -804,4 +926,77 @@ pub async fn purge_idempotency(conn: &mut PgConnection, before_ms: i64, limit: u
     .await?
     .rows_affected();
     Ok(deleted)
+}
+
+/// Stores the next plugin version of a tenant and activates it. The tenant row is locked
+/// first, so two processes uploading at once number their versions one after the other.
+pub async fn save_plugin(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    upload: &PluginUpload,
+    now_ms: i64,
+) -> Result<PluginVersion, StorageError> {
+    sqlx::query("SELECT 1 FROM tenants WHERE id = $1 FOR UPDATE").bind(tenant.as_str()).execute(&mut *conn).await?;
+    let version: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(version), 0) + 1 FROM plugins WHERE tenant_id = $1")
+        .bind(tenant.as_str())
+        .fetch_one(&mut *conn)
+        .await?;
+    sqlx::query(
+        "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at) VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(tenant.as_str())
+    .bind(version)
+    .bind(&upload.sha256)
+    .bind(&upload.wasm)
+    .bind(&upload.config)
+    .bind(now_ms)
+    .execute(&mut *conn)
+    .await?;
+    set_active_plugin(conn, tenant, version).await?;
+    Ok(PluginVersion {
+        version,
+        sha256: upload.sha256.clone(),
+        config: upload.config.clone(),
+        uploaded_at_ms: now_ms,
+        active: true,
+    })
+}
+
+async fn set_active_plugin(conn: &mut PgConnection, tenant: &TenantId, version: i64) -> Result<(), StorageError> {
+    sqlx::query(
+        "INSERT INTO plugin_active (tenant_id, version) VALUES ($1, $2)
+         ON CONFLICT (tenant_id) DO UPDATE SET version = EXCLUDED.version",
+    )
+    .bind(tenant.as_str())
+    .bind(version)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Activates a stored version (or 0, the built-in default); `None` if there is no such version.
+pub async fn activate_plugin(
+    conn: &mut PgConnection,
+    tenant: &TenantId,
+    version: i64,
+) -> Result<Option<PluginVersion>, StorageError> {
+    if version == 0 {
+        set_active_plugin(conn, tenant, 0).await?;
+        return Ok(Some(PluginVersion {
+            version: 0,
+            sha256: String::new(),
+            config: String::new(),
+            uploaded_at_ms: 0,
+            active: true,
+        }));
+    }
+    let found: Option<(String, String, i64)> =
+        sqlx::query_as("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = $1 AND version = $2")
+            .bind(tenant.as_str())
+            .bind(version)
+            .fetch_optional(&mut *conn)
+            .await?;
+    let Some((sha256, config, uploaded_at_ms)) = found else { return Ok(None) };
+    set_active_plugin(conn, tenant, version).await?;
+    Ok(Some(PluginVersion { version, sha256, config, uploaded_at_ms, active: true }))
 }

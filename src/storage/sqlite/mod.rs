@@ -17,11 +17,11 @@ use self::ops::RESOURCE_COLUMNS;
 use self::writer::{Writer, WriterLimits};
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
-    OrderJob, Storage, StorageError, TenantRecord, Transition,
+    OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
 };
 use crate::engine::{
-    reconcile, Kind, LedgerEntry, LedgerOp, LedgerSum, LineResult, Mode, NewestEntry, OrderDocument, OrderRequest,
-    Plan, Reconciliation, Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
+    reconcile, Kind, LedgerEntry, LedgerOp, LedgerSum, Mode, NewestEntry, OrderDocument, OrderRequest, Plan,
+    Reconciliation, Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
 use crate::time::Timestamp;
 
@@ -332,17 +332,27 @@ impl Storage for SqliteStorage {
         let mut tx = self.read.begin().await?;
         let mut results = Vec::with_capacity(plan.lines.len());
         for line in &plan.lines {
-            let row = sqlx::query("SELECT status, kind, available FROM resources WHERE tenant_id = $1 AND key = $2")
-                .bind(tenant.as_str())
-                .bind(line.resource.as_str())
-                .fetch_optional(&mut *tx)
-                .await?;
-            let view = match row {
+            let used: Option<i64> = match &line.limit {
+                Some(limit) => {
+                    sqlx::query_scalar("SELECT used FROM user_limits WHERE tenant_id = $1 AND key = $2")
+                        .bind(tenant.as_str())
+                        .bind(limit.key.as_str())
+                        .fetch_optional(&mut *tx)
+                        .await?
+                }
                 None => None,
-                Some(row) => Some((row.try_get("status")?, row.try_get("kind")?, row.try_get("available")?)),
             };
-            let result = ops::line_refusal(view, line).map_or(LineResult::Applied, LineResult::Rejected);
-            results.push(result);
+            let mut views = Vec::with_capacity(line.targets.len());
+            for target in &line.targets {
+                let view: Option<(String, String, i64)> =
+                    sqlx::query_as("SELECT status, kind, available FROM resources WHERE tenant_id = $1 AND key = $2")
+                        .bind(tenant.as_str())
+                        .bind(target.resource.as_str())
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                views.push(view);
+            }
+            results.push(ops::preview_line(line, used.unwrap_or(0), views));
         }
         Ok(OrderDocument::build(order, plan, &results, None))
     }
@@ -436,6 +446,67 @@ impl Storage for SqliteStorage {
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
         self.writer()?.submit(move |conn| ops::purge_idempotency(conn, before_ms, limit)).await
+    }
+
+    async fn save_plugin(
+        &self,
+        tenant: &TenantId,
+        upload: &PluginUpload,
+        now_ms: i64,
+    ) -> Result<PluginVersion, StorageError> {
+        let (tenant, upload) = (tenant.clone(), upload.clone());
+        self.writer()?.submit(move |conn| ops::save_plugin(conn, &tenant, &upload, now_ms)).await
+    }
+
+    async fn list_plugins(&self, tenant: &TenantId) -> Result<Vec<PluginVersion>, StorageError> {
+        let rows: Vec<(i64, String, String, i64, bool)> = sqlx::query_as(
+            "SELECT p.version, p.sha256, p.config, p.uploaded_at, COALESCE(a.version = p.version, FALSE)
+             FROM plugins p LEFT JOIN plugin_active a ON a.tenant_id = p.tenant_id
+             WHERE p.tenant_id = $1 ORDER BY p.version LIMIT 10000",
+        )
+        .bind(tenant.as_str())
+        .fetch_all(&self.read)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(version, sha256, config, uploaded_at_ms, active)| PluginVersion {
+                version,
+                sha256,
+                config,
+                uploaded_at_ms,
+                active,
+            })
+            .collect())
+    }
+
+    async fn activate_plugin(&self, tenant: &TenantId, version: i64) -> Result<Option<PluginVersion>, StorageError> {
+        let tenant = tenant.clone();
+        self.writer()?.submit(move |conn| ops::activate_plugin(conn, &tenant, version)).await
+    }
+
+    async fn active_plugin(&self, tenant: &TenantId) -> Result<Option<PluginVersion>, StorageError> {
+        let row: Option<(i64, String, String, i64)> = sqlx::query_as(
+            "SELECT p.version, p.sha256, p.config, p.uploaded_at FROM plugin_active a
+             JOIN plugins p ON p.tenant_id = a.tenant_id AND p.version = a.version WHERE a.tenant_id = $1",
+        )
+        .bind(tenant.as_str())
+        .fetch_optional(&self.read)
+        .await?;
+        Ok(row.map(|(version, sha256, config, uploaded_at_ms)| PluginVersion {
+            version,
+            sha256,
+            config,
+            uploaded_at_ms,
+            active: true,
+        }))
+    }
+
+    async fn plugin_wasm(&self, tenant: &TenantId, version: i64) -> Result<Option<Vec<u8>>, StorageError> {
+        Ok(sqlx::query_scalar("SELECT wasm FROM plugins WHERE tenant_id = $1 AND version = $2")
+            .bind(tenant.as_str())
+            .bind(version)
+            .fetch_optional(&self.read)
+            .await?)
     }
 
     async fn close(&self) {

@@ -9,13 +9,13 @@ use ulid::Ulid;
 
 use crate::engine::order::decide;
 use crate::engine::{
-    Action, Kind, LedgerOp, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason, Reservation,
-    ReservationLine, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId, MAX_TOTAL,
+    Action, Kind, LedgerOp, LimitSpec, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason, Reservation,
+    ReservationLine, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
 use crate::problem::Problem;
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
-    OrderJob, StorageError, StoredResponse, Transition,
+    OrderJob, PluginUpload, PluginVersion, StorageError, StoredResponse, Transition,
 };
 use crate::time::Timestamp;
 
@@ -263,6 +263,17 @@ pub fn create_resource(
     res: &NewResource,
     now_ms: i64,
 ) -> Result<Option<ResourceState>, StorageError> {
+    create_resource_as(conn, tenant, res, None, now_ms)
+}
+
+/// Creates a resource with its `create` ledger row; `plugin_version` when a plan created it.
+fn create_resource_as(
+    conn: &Connection,
+    tenant: &TenantId,
+    res: &NewResource,
+    plugin_version: Option<i64>,
+    now_ms: i64,
+) -> Result<Option<ResourceState>, StorageError> {
     let row = conn
         .prepare_cached(&format!(
             "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
@@ -284,7 +295,7 @@ pub fn create_resource(
         request_id: "create",
         order_id: None,
         reservation_id: None,
-        plugin_version: None,
+        plugin_version,
         now_ms,
     };
     append_ledger(conn, facts, after)?;
@@ -381,18 +392,41 @@ const RESERVE_SQL: &str = "UPDATE resources SET available = available - ?1, rese
     WHERE tenant_id = ?3 AND key = ?4 AND status = 'active' AND available >= ?1 AND (?5 IS NULL OR kind = ?5)
     RETURNING available, reserved, consumed, version";
 
-/// Why a line cannot apply, judged from the resource's current row (`None`: it can).
-pub fn line_refusal(row: Option<(String, String, i64)>, line: &PlannedLine) -> Option<Reason> {
+/// Why a line cannot apply to a target, judged from the resource's current row (`None`: it can).
+pub fn line_refusal(row: Option<(String, String, i64)>, target: &Target, qty: i64) -> Option<Reason> {
     let Some((status, kind, available)) = row else { return Some(Reason::ResourceNotFound) };
-    if line.kind.is_some_and(|k| k.as_str() != kind) {
+    if target.kind.is_some_and(|k| k.as_str() != kind) {
         Some(Reason::ResourceNotFound)
     } else if status != ResourceStatus::Active.as_str() {
         Some(Reason::ResourceInactive)
-    } else if available < line.qty {
+    } else if available < qty {
         Some(Reason::Insufficient)
     } else {
         None
     }
+}
+
+/// What a line would do now, for the dry run: `used` is its limit key's count so far, `views`
+/// the current rows of its targets (in order). Ignores interactions between lines of one order.
+pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<(String, String, i64)>>) -> LineResult {
+    if line.limit.as_ref().is_some_and(|l| used.saturating_add(line.qty) > l.max) {
+        return LineResult::Rejected(Reason::LimitExceeded);
+    }
+    let mut first_refusal = None;
+    for (i, (target, view)) in line.targets.iter().zip(views).enumerate() {
+        let refusal = match (&view, target.create_if_missing) {
+            (None, Some(allowance)) if allowance >= line.qty => None,
+            (None, Some(_)) => Some(Reason::Insufficient),
+            _ => line_refusal(view, target, line.qty),
+        };
+        match refusal {
+            None => return LineResult::Applied(i),
+            Some(reason) => {
+                first_refusal.get_or_insert(reason);
+            }
+        }
+    }
+    LineResult::Rejected(first_refusal.unwrap_or(Reason::ResourceNotFound))
 }
 
 /// The `(status, kind, available)` of a resource, for judging lines.
@@ -418,29 +452,49 @@ struct OrderFacts<'a> {
     now_ms: i64,
 }
 
-fn apply_line(conn: &Connection, facts: &OrderFacts<'_>, line: &PlannedLine) -> Result<LineResult, StorageError> {
+/// One guarded UPDATE of one target, creating the resource first when it is missing and the
+/// plan says so. `None`: applied; `Some(reason)`: refused, and nothing changed.
+fn apply_target(
+    conn: &Connection,
+    facts: &OrderFacts<'_>,
+    qty: i64,
+    target: &Target,
+) -> Result<Option<Reason>, StorageError> {
     let (sql, op) = match facts.action {
         Action::Deduct => (DEDUCT_SQL, LedgerOp::Deduct),
         Action::Reserve => (RESERVE_SQL, LedgerOp::Reserve),
     };
-    let after = conn
-        .prepare_cached(sql)?
-        .query_row(
-            params![line.qty, facts.now_ms, facts.tenant.as_str(), line.resource.as_str(), line.kind.map(Kind::as_str)],
-            After::from_row,
-        )
-        .optional()?;
+    let tenant = facts.tenant.as_str();
+    let update = |conn: &Connection| -> Result<Option<After>, StorageError> {
+        Ok(conn
+            .prepare_cached(sql)?
+            .query_row(
+                params![qty, facts.now_ms, tenant, target.resource.as_str(), target.kind.map(Kind::as_str)],
+                After::from_row,
+            )
+            .optional()?)
+    };
+    let mut after = update(conn)?;
+    if after.is_none() {
+        let view = line_view(conn, tenant, target.resource.as_str())?;
+        if let (None, Some(allowance)) = (&view, target.create_if_missing) {
+            let kind = target.kind.unwrap_or(Kind::Quota);
+            let new = NewResource { key: target.resource.clone(), kind, total: allowance };
+            create_resource_as(conn, facts.tenant, &new, facts.plugin_version, facts.now_ms)?;
+            after = update(conn)?;
+        }
+    }
     let Some(after) = after else {
-        let view = line_view(conn, facts.tenant.as_str(), line.resource.as_str())?;
         // The guarded UPDATE refused, so some reason applies; `insufficient` if the row changed
         // shape in between (it cannot: this connection is the only writer).
-        return Ok(LineResult::Rejected(line_refusal(view, line).unwrap_or(Reason::Insufficient)));
+        let view = line_view(conn, tenant, target.resource.as_str())?;
+        return Ok(Some(line_refusal(view, target, qty).unwrap_or(Reason::Insufficient)));
     };
     let ledger = LedgerFacts {
-        tenant: facts.tenant.as_str(),
-        resource: line.resource.as_str(),
+        tenant,
+        resource: target.resource.as_str(),
         op,
-        qty: line.qty,
+        qty,
         request_id: facts.request_id,
         order_id: Some(facts.order_id),
         reservation_id: facts.reservation_id,
@@ -448,7 +502,66 @@ fn apply_line(conn: &Connection, facts: &OrderFacts<'_>, line: &PlannedLine) -> 
         now_ms: facts.now_ms,
     };
     append_ledger(conn, ledger, after)?;
-    Ok(LineResult::Applied)
+    Ok(None)
+}
+
+/// Counts `qty` against a per-user limit if it stays within `max`; `false`: it would not.
+fn take_limit(conn: &Connection, tenant: &TenantId, limit: &LimitSpec, qty: i64) -> Result<bool, StorageError> {
+    if qty > limit.max {
+        return Ok(false);
+    }
+    let changed = conn
+        .prepare_cached(
+            "INSERT INTO user_limits (tenant_id, key, used) VALUES (?1, ?2, ?3)
+             ON CONFLICT (tenant_id, key) DO UPDATE SET used = used + excluded.used
+             WHERE used + excluded.used <= ?4",
+        )?
+        .execute(params![tenant.as_str(), limit.key.as_str(), qty, limit.max])?;
+    Ok(changed == 1)
+}
+
+/// Gives back what a released or expired reservation line took from its limit.
+fn give_back_limit(conn: &Connection, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError> {
+    conn.prepare_cached("UPDATE user_limits SET used = used - ?1 WHERE tenant_id = ?2 AND key = ?3 AND used >= ?1")?
+        .execute(params![qty, tenant, key])?;
+    Ok(())
+}
+
+/// Applies one planned line: its limit (if any), then the first target that can take it. A
+/// line that fails leaves nothing behind.
+fn apply_line(conn: &Connection, facts: &OrderFacts<'_>, line: &PlannedLine) -> Result<LineResult, StorageError> {
+    // Only a line with a limit, or one that may create a resource, can change something and
+    // still fail; only those need a savepoint of their own.
+    let nested = line.limit.is_some() || line.targets.iter().any(|t| t.create_if_missing.is_some());
+    if nested {
+        conn.prepare_cached("SAVEPOINT line")?.execute([])?;
+    }
+    let result = apply_line_inner(conn, facts, line)?;
+    if nested {
+        if !result.applied() {
+            conn.prepare_cached("ROLLBACK TO line")?.execute([])?;
+        }
+        conn.prepare_cached("RELEASE line")?.execute([])?;
+    }
+    Ok(result)
+}
+
+fn apply_line_inner(conn: &Connection, facts: &OrderFacts<'_>, line: &PlannedLine) -> Result<LineResult, StorageError> {
+    if let Some(limit) = &line.limit {
+        if !take_limit(conn, facts.tenant, limit, line.qty)? {
+            return Ok(LineResult::Rejected(Reason::LimitExceeded));
+        }
+    }
+    let mut first_refusal = None;
+    for (i, target) in line.targets.iter().enumerate() {
+        match apply_target(conn, facts, line.qty, target)? {
+            None => return Ok(LineResult::Applied(i)),
+            Some(reason) => {
+                first_refusal.get_or_insert(reason);
+            }
+        }
+    }
+    Ok(LineResult::Rejected(first_refusal.unwrap_or(Reason::ResourceNotFound)))
 }
 
 pub fn execute_order(conn: &Connection, job: &OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
@@ -470,17 +583,17 @@ pub fn execute_order(conn: &Connection, job: &OrderJob, now_ms: i64) -> Result<O
     // Lines are applied in one global order (by resource key) so that concurrent multi-line
     // orders on a shared database can never wait on each other in a cycle.
     let mut sequence: Vec<usize> = (0..job.plan.lines.len()).collect();
-    sequence.sort_by(|a, b| job.plan.lines[*a].resource.cmp(&job.plan.lines[*b].resource));
+    sequence.sort_by(|a, b| job.plan.lines[*a].lock_key().cmp(&job.plan.lines[*b].lock_key()));
     // A single line that fails changed nothing, so only multi-line orders need a savepoint.
     let nested = job.plan.lines.len() > 1;
     if nested {
         conn.prepare_cached("SAVEPOINT lines")?.execute([])?;
     }
-    let mut results = vec![LineResult::Applied; job.plan.lines.len()];
+    let mut results = vec![LineResult::Rejected(Reason::Skipped); job.plan.lines.len()];
     for i in sequence {
         results[i] = apply_line(conn, &facts, &job.plan.lines[i])?;
     }
-    let status = decide(job.plan.policy, &results);
+    let status = decide(&job.plan, &results);
     if nested {
         if status == OrderStatus::Rejected {
             conn.prepare_cached("ROLLBACK TO lines")?.execute([])?;
@@ -512,11 +625,14 @@ fn insert_reservation(
         .lines
         .iter()
         .zip(results)
-        .filter(|(_, r)| **r == LineResult::Applied)
-        .map(|(p, _)| ReservationLine {
-            key: job.order.lines.get(p.line).map(|l| l.key.to_string()).unwrap_or_default(),
-            resource: p.resource.to_string(),
-            qty: p.qty,
+        .filter_map(|(p, r)| match r {
+            LineResult::Applied(target) => Some(ReservationLine {
+                key: job.order.lines.get(p.line).map(|l| l.key.to_string()).unwrap_or_default(),
+                resource: p.targets.get(*target).map(|t| t.resource.to_string()).unwrap_or_default(),
+                qty: p.qty,
+                limit_key: p.limit.as_ref().map(|l| l.key.to_string()),
+            }),
+            LineResult::Rejected(_) => None,
         })
         .collect();
     let lines = serde_json::to_string(&lines).map_err(|e| StorageError::Internal(e.to_string()))?;
@@ -591,6 +707,9 @@ fn finish_reservation(
             now_ms,
         };
         append_ledger(conn, facts, after)?;
+        if let (Some(key), true) = (&line.limit_key, to != ReservationState::Confirmed) {
+            give_back_limit(conn, tenant, key, line.qty)?;
+        }
     }
     reservation.state = to;
     Ok(reservation)
@@ -667,4 +786,62 @@ pub fn purge_idempotency(conn: &Connection, before_ms: i64, limit: u32) -> Resul
         )?
         .execute(params![before_ms, i64::from(limit)])?;
     Ok(deleted as u64)
+}
+
+/// Stores the next plugin version of a tenant and activates it.
+pub fn save_plugin(
+    conn: &Connection,
+    tenant: &TenantId,
+    upload: &PluginUpload,
+    now_ms: i64,
+) -> Result<PluginVersion, StorageError> {
+    let version: i64 = conn
+        .prepare_cached("SELECT COALESCE(MAX(version), 0) + 1 FROM plugins WHERE tenant_id = ?1")?
+        .query_row(params![tenant.as_str()], |row| row.get(0))?;
+    conn.prepare_cached(
+        "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )?
+    .execute(params![tenant.as_str(), version, upload.sha256, upload.wasm, upload.config, now_ms])?;
+    set_active_plugin(conn, tenant, version)?;
+    Ok(PluginVersion {
+        version,
+        sha256: upload.sha256.clone(),
+        config: upload.config.clone(),
+        uploaded_at_ms: now_ms,
+        active: true,
+    })
+}
+
+fn set_active_plugin(conn: &Connection, tenant: &TenantId, version: i64) -> Result<(), StorageError> {
+    conn.prepare_cached(
+        "INSERT INTO plugin_active (tenant_id, version) VALUES (?1, ?2)
+         ON CONFLICT (tenant_id) DO UPDATE SET version = excluded.version",
+    )?
+    .execute(params![tenant.as_str(), version])?;
+    Ok(())
+}
+
+/// Activates a stored version (or 0, the built-in default); `None` if there is no such version.
+pub fn activate_plugin(
+    conn: &Connection,
+    tenant: &TenantId,
+    version: i64,
+) -> Result<Option<PluginVersion>, StorageError> {
+    if version == 0 {
+        set_active_plugin(conn, tenant, 0)?;
+        return Ok(Some(PluginVersion {
+            version: 0,
+            sha256: String::new(),
+            config: String::new(),
+            uploaded_at_ms: 0,
+            active: true,
+        }));
+    }
+    let found = conn
+        .prepare_cached("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = ?1 AND version = ?2")?
+        .query_row(params![tenant.as_str(), version], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+        .optional()?;
+    let Some((sha256, config, uploaded_at_ms)) = found else { return Ok(None) };
+    set_active_plugin(conn, tenant, version)?;
+    Ok(Some(PluginVersion { version, sha256, config, uploaded_at_ms, active: true }))
 }

@@ -1,0 +1,172 @@
+//! Which planner each tenant's orders use right now. Versions live in storage, so every process
+//! sees an upload or activation; each process caches the active version per tenant for a short
+//! time (`cache_ttl`), and the process that made the change updates its cache at once. A plan
+//! is made once, when the request starts, so a swap never changes an order in flight.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use super::{LoadedPlugin, PlanInput, PluginFailed, PluginHost, PluginInvalid, PluginPlan, PluginPolicy};
+use crate::engine::{
+    DefaultPlanner, LimitSpec, OrderRequest, PartialPolicy, Plan, PlanError, PlannedLine, Planner, PlannerRef, Target,
+    TenantId,
+};
+use crate::storage::{Storage, StorageError};
+
+/// Most tenants whose active plugin is cached; beyond it the cache starts afresh.
+const MAX_CACHED_TENANTS: usize = 100_000;
+
+/// A tenant's planner as of now.
+#[derive(Clone)]
+pub enum Active {
+    /// The native default plan.
+    Builtin,
+    /// An uploaded component.
+    Wasm { version: i64, plugin: Arc<LoadedPlugin>, config: Arc<str> },
+}
+
+/// Why no plan could be made for an order.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanFailure {
+    /// The plugin failed (trap, fuel, memory, refusal, invalid plan): `422 plugin_failed`.
+    #[error("{0}")]
+    Plugin(String),
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+}
+
+struct Cached {
+    active: Active,
+    checked: Instant,
+}
+
+/// Per-tenant planners, backed by storage and one shared [`PluginHost`].
+pub struct Registry {
+    host: Arc<PluginHost>,
+    storage: Arc<dyn Storage>,
+    cache_ttl: Duration,
+    cache: RwLock<HashMap<TenantId, Cached>>,
+}
+
+impl Registry {
+    pub fn new(host: Arc<PluginHost>, storage: Arc<dyn Storage>, cache_ttl: Duration) -> Self {
+        Self { host, storage, cache_ttl, cache: RwLock::new(HashMap::new()) }
+    }
+
+    pub fn host(&self) -> &PluginHost {
+        &self.host
+    }
+
+    /// Validates and compiles an upload off the async threads (compiling takes milliseconds).
+    pub async fn load(&self, wasm: Arc<Vec<u8>>) -> Result<Arc<LoadedPlugin>, PluginInvalid> {
+        let host = self.host.clone();
+        tokio::task::spawn_blocking(move || host.load(&wasm))
+            .await
+            .unwrap_or_else(|_| Err(PluginInvalid::new("the plugin could not be compiled")))
+    }
+
+    /// Records what this process just activated, so its next order uses it at once.
+    pub fn set(&self, tenant: &TenantId, active: Active) {
+        if let Ok(mut cache) = self.cache.write() {
+            if cache.len() >= MAX_CACHED_TENANTS {
+                cache.clear();
+            }
+            cache.insert(tenant.clone(), Cached { active, checked: Instant::now() });
+        }
+    }
+
+    /// The tenant's planner now: cached for `cache_ttl`, then asked of storage again.
+    pub async fn active(&self, tenant: &TenantId) -> Result<Active, PlanFailure> {
+        let cached = self.cache.read().ok().and_then(|c| c.get(tenant).map(|e| (e.active.clone(), e.checked)));
+        if let Some((active, checked)) = &cached {
+            if checked.elapsed() < self.cache_ttl {
+                return Ok(active.clone());
+            }
+        }
+        let active = match self.storage.active_plugin(tenant).await? {
+            None => Active::Builtin,
+            Some(v) => match cached {
+                // Same version as before: keep the compiled plugin, just note the check.
+                Some((Active::Wasm { version, plugin, config }, _)) if version == v.version => {
+                    Active::Wasm { version, plugin, config }
+                }
+                _ => {
+                    let wasm = self.storage.plugin_wasm(tenant, v.version).await?;
+                    let wasm =
+                        wasm.ok_or_else(|| PlanFailure::Plugin("the active plugin version is missing".into()))?;
+                    let plugin = self
+                        .load(Arc::new(wasm))
+                        .await
+                        .map_err(|e| PlanFailure::Plugin(format!("the active plugin cannot be loaded: {e}")))?;
+                    Active::Wasm { version: v.version, plugin, config: Arc::from(v.config.as_str()) }
+                }
+            },
+        };
+        self.set(tenant, active.clone());
+        Ok(active)
+    }
+
+    /// Plans an order with the tenant's active planner.
+    pub async fn plan(&self, tenant: &TenantId, order: &OrderRequest, now_ms: i64) -> Result<Plan, PlanFailure> {
+        match self.active(tenant).await? {
+            Active::Builtin => DefaultPlanner.plan(tenant, order, now_ms).map_err(|e| PlanFailure::Plugin(e.0)),
+            Active::Wasm { version, plugin, config } => {
+                let input = PlanInput { tenant, order, now_ms, seed: rand::random(), config: &config };
+                let planned = plugin.plan(&input).map_err(|e: PluginFailed| {
+                    metrics::counter!("stockd_plugin_failures_total", "kind" => e.kind()).increment(1);
+                    PlanFailure::Plugin(e.to_string())
+                })?;
+                to_plan(planned, version, order.lines.len()).map_err(|e| PlanFailure::Plugin(e.0))
+            }
+        }
+    }
+}
+
+/// The core's plan from a validated plugin plan. Every order line must be planned exactly once
+/// (the host already refused duplicates and out-of-range indexes).
+pub fn to_plan(planned: PluginPlan, version: i64, order_lines: usize) -> Result<Plan, PlanError> {
+    if planned.lines.len() != order_lines {
+        return Err(PlanError(format!(
+            "plugin returned an invalid plan: it planned {} of the order's {order_lines} lines",
+            planned.lines.len()
+        )));
+    }
+    let mut lines: Vec<PlannedLine> = planned
+        .lines
+        .into_iter()
+        .map(|l| PlannedLine {
+            line: l.line,
+            qty: l.qty.get(),
+            mandatory: l.mandatory,
+            targets: l
+                .targets
+                .into_iter()
+                .map(|t| Target {
+                    resource: t.resource,
+                    kind: t.kind,
+                    create_if_missing: t.create_if_missing,
+                    buckets: t.buckets,
+                })
+                .collect(),
+            limit: l.limit.map(|u| LimitSpec { key: u.key, max: u.max }),
+        })
+        .collect();
+    lines.sort_by_key(|l| l.line);
+    // One change per resource and order: the ledger's identity (resource, request, op) must hold.
+    let mut seen = std::collections::HashSet::new();
+    for target in lines.iter().flat_map(|l| l.targets.iter()) {
+        if !seen.insert(target.resource.as_str()) {
+            return Err(PlanError(format!(
+                "plugin returned an invalid plan: resource {} is targeted by more than one line or twice by one",
+                target.resource
+            )));
+        }
+    }
+    let policy = match planned.policy {
+        PluginPolicy::AllOrNothing => PartialPolicy::AllOrNothing,
+        PluginPolicy::AllowPartial => PartialPolicy::AllowPartial,
+        PluginPolicy::MandatoryLines => PartialPolicy::MandatoryLines,
+    };
+    Ok(Plan { planner: PlannerRef { name: "wasm".into(), version }, policy, lines })
+}
