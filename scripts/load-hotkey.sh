@@ -4,7 +4,9 @@
 # DATABASE_URL=postgres://... which must be an empty database), creates a tenant and one
 # resource, then runs wrk (CONNECTIONS=64 in all, spread over the processes) against /healthz
 # and against POST /v1/orders (qty 1 on the one key, a unique Idempotency-Key per request),
-# and finally prints the resource and the reconciliation report. Needs wrk (apt-get install wrk).
+# and finally prints the resource and the reconciliation report. PLUGIN=path.wasm uploads that
+# plugin for the tenant first (e.g. plugins/dist/default.wasm, to compare against the native
+# default plan). Needs wrk (apt-get install wrk).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/stockd-target}"
@@ -31,12 +33,12 @@ wrk_all() {
   local path="$1"; shift
   local pids=()
   for p in $(seq 1 "$processes"); do
-    wrk -t$((2 > processes ? 2 / processes : 1)) -c$((connections / processes)) -d"$duration" "$@" \
+    wrk --latency -t$((2 > processes ? 2 / processes : 1)) -c$((connections / processes)) -d"$duration" "$@" \
       "http://127.0.0.1:$((port + p - 1))$path" -- "p$p" >"$dir/wrk.$p.txt" &
     pids+=($!)
   done
   wait "${pids[@]}"
-  cat "$dir"/wrk.*.txt | grep -E 'Latency|Non-2xx'
+  cat "$dir"/wrk.*.txt | grep -E 'Latency|Non-2xx| 50%| 99%'
   awk '/Requests\/sec/ {sum += $2} END {printf "Requests/sec (all processes): %.0f\n", sum}' "$dir"/wrk.*.txt
   rm -f "$dir"/wrk.*.txt
 }
@@ -44,6 +46,10 @@ key=$(curl -s -X POST "$s/v1/admin/tenants" -H "Authorization: Bearer $admin" -H
   -d '{"id":"load","name":"Load"}' | sed -E 's/.*"api_key":"([^"]+)".*/\1/')
 curl -s -X POST "$s/v1/resources" -H "Authorization: Bearer $key" -H 'Content-Type: application/json' \
   -d '{"key":"hot","kind":"inventory","total":1000000000}' >/dev/null
+if [ -n "${PLUGIN:-}" ]; then
+  curl -s -X PUT "$s/v1/plugin" -H "Authorization: Bearer $key" -H 'Content-Type: application/wasm' \
+    --data-binary @"$PLUGIN"; echo
+fi
 cat >"$dir/order.lua" <<LUA
 -- Each wrk process (its argument) and thread gets its own id, so every request carries a
 -- distinct Idempotency-Key.
