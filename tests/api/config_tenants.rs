@@ -121,3 +121,52 @@ async fn config_tenant_is_a_tenant_like_any_other() {
     assert_eq!(other.get("/v1/resources").await.expect_json(200)["items"], json!([]));
     assert_counts(&shop.state("sku-seed").await, 40, 0, 0, 40);
 }
+
+/// A config tenant's plugin file is uploaded at start-up as version 1 and plans its orders; a
+/// restart with the same file and config makes no new version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_tenant_plugin_is_installed_once_and_plans_orders() {
+    let key = random_hex_32();
+    // The bytes are written into the test's own file so the config can name a path.
+    let wasm = crate::helpers::plugin_wasm("flash-sale");
+    let dir = tempfile::tempdir().expect("a temporary directory can be created");
+    let path = dir.path().join("flash-sale.wasm");
+    std::fs::write(&path, &wasm).expect("the plugin file can be written");
+    let toml = format!(
+        r#"
+[[tenants]]
+id = "cfg-flash"
+name = "Config Flash"
+api_key_env = "CFG_FLASH_KEY"
+plugin = "{}"
+plugin_config = "buckets = 1"
+
+[[tenants.resources]]
+key = "sku-flash"
+kind = "inventory"
+total = 10
+"#,
+        path.display()
+    );
+    let mut app = spawn_app_with(AppOptions::default().toml(&toml).env("CFG_FLASH_KEY", &key)).await;
+    let shop = app.tenant_with_key("cfg-flash", &key);
+
+    let active = shop.get("/v1/plugin").await.expect_json(200);
+    assert_eq!(active["version"], 1, "{active}");
+    assert_eq!(active["sha256"], hex::encode(Sha256::digest(&wasm)));
+
+    let body =
+        json!({"order_id": "O-1", "user_id": "u-1", "action": "deduct", "lines": [{"key": "sku-flash", "qty": 1}]});
+    let doc = shop.order("idem-1", &body).await.expect_json(201);
+    assert_eq!(doc["plugin"], json!({"name": "wasm", "version": 1}));
+    // The flash-sale plan's per-user limit: the same user cannot buy a second piece.
+    let again =
+        json!({"order_id": "O-2", "user_id": "u-1", "action": "deduct", "lines": [{"key": "sku-flash", "qty": 1}]});
+    let refused = shop.order("idem-2", &again).await.expect_json(409);
+    assert_eq!(refused["lines"][0]["reason"], "limit_exceeded");
+
+    app.restart().await;
+    let versions = shop.get("/v1/plugin/versions").await.expect_json(200);
+    assert_eq!(versions["items"].as_array().map(Vec::len), Some(1), "{versions}");
+    assert_eq!(shop.get("/v1/plugin").await.expect_json(200)["version"], 1);
+}
