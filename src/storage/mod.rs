@@ -4,6 +4,7 @@
 //! integration suite run against every backend.
 
 pub mod postgres;
+pub mod rules;
 pub mod sqlite;
 
 use async_trait::async_trait;

@@ -28,7 +28,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use self::ops::{reservation_from_row, resource_from_row};
-use super::sqlite::ops::{preview_line, RESOURCE_COLUMNS};
+use super::rules::{preview_line, RESOURCE_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,

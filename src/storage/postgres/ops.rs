@@ -20,7 +20,7 @@ use crate::engine::{
     ReservationLine, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
 use crate::problem::Problem;
-use crate::storage::sqlite::ops::{line_refusal, new_request_id, RESOURCE_COLUMNS};
+use crate::storage::rules::{line_refusal, new_request_id, RESOURCE_COLUMNS};
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, StorageError, StoredResponse, Transition,
@@ -532,12 +532,12 @@ async fn apply_target(
     let mut row = update().fetch_optional(&mut *conn).await?;
     if row.is_none() {
         if let Some(allowance) = target.create_if_missing {
-            // ON CONFLICT DO NOTHING: another process may create the same period concurrently.
+            // ON CONFLICT DO NOTHING: when another process created the same period meanwhile
+            // (or it existed and was short), this creates nothing and the update is judged again.
             let kind = target.kind.unwrap_or(Kind::Quota);
             let new = NewResource { key: target.resource.clone(), kind, total: allowance };
-            if create_resource_as(conn, facts.tenant, &new, facts.plugin_version, facts.now_ms).await?.is_some() {
-                row = update().fetch_optional(&mut *conn).await?;
-            }
+            create_resource_as(conn, facts.tenant, &new, facts.plugin_version, facts.now_ms).await?;
+            row = update().fetch_optional(&mut *conn).await?;
         }
     }
     let Some(row) = row else {

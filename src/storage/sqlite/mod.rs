@@ -13,8 +13,8 @@ use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{ConnectOptions, Row};
 
-use self::ops::RESOURCE_COLUMNS;
 use self::writer::{Writer, WriterLimits};
+use super::rules::{preview_line, RESOURCE_COLUMNS};
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
@@ -352,7 +352,7 @@ impl Storage for SqliteStorage {
                         .await?;
                 views.push(view);
             }
-            results.push(ops::preview_line(line, used.unwrap_or(0), views));
+            results.push(preview_line(line, used.unwrap_or(0), views));
         }
         Ok(OrderDocument::build(order, plan, &results, None))
     }

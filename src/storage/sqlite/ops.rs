@@ -13,14 +13,12 @@ use crate::engine::{
     ReservationLine, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
 use crate::problem::Problem;
+use crate::storage::rules::{line_refusal, new_request_id, RESOURCE_COLUMNS};
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, StorageError, StoredResponse, Transition,
 };
 use crate::time::Timestamp;
-
-pub const RESOURCE_COLUMNS: &str =
-    "key, kind, status, available, reserved, consumed, total, buckets, mode, version, updated_at";
 
 impl From<rusqlite::Error> for StorageError {
     fn from(err: rusqlite::Error) -> Self {
@@ -81,11 +79,6 @@ fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Reservation, S
         lines,
         expires_at: Timestamp(row.get("expires_at")?),
     }))
-}
-
-/// A new identity for one business action; the ledger's unique key includes it.
-pub fn new_request_id() -> String {
-    format!("req_{}", Ulid::new())
 }
 
 /// Counters a guarded UPDATE returned, for the ledger row.
@@ -391,43 +384,6 @@ const RESERVE_SQL: &str = "UPDATE resources SET available = available - ?1, rese
         version = version + 1, updated_at = ?2
     WHERE tenant_id = ?3 AND key = ?4 AND status = 'active' AND available >= ?1 AND (?5 IS NULL OR kind = ?5)
     RETURNING available, reserved, consumed, version";
-
-/// Why a line cannot apply to a target, judged from the resource's current row (`None`: it can).
-pub fn line_refusal(row: Option<(String, String, i64)>, target: &Target, qty: i64) -> Option<Reason> {
-    let Some((status, kind, available)) = row else { return Some(Reason::ResourceNotFound) };
-    if target.kind.is_some_and(|k| k.as_str() != kind) {
-        Some(Reason::ResourceNotFound)
-    } else if status != ResourceStatus::Active.as_str() {
-        Some(Reason::ResourceInactive)
-    } else if available < qty {
-        Some(Reason::Insufficient)
-    } else {
-        None
-    }
-}
-
-/// What a line would do now, for the dry run: `used` is its limit key's count so far, `views`
-/// the current rows of its targets (in order). Ignores interactions between lines of one order.
-pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<(String, String, i64)>>) -> LineResult {
-    if line.limit.as_ref().is_some_and(|l| used.saturating_add(line.qty) > l.max) {
-        return LineResult::Rejected(Reason::LimitExceeded);
-    }
-    let mut first_refusal = None;
-    for (i, (target, view)) in line.targets.iter().zip(views).enumerate() {
-        let refusal = match (&view, target.create_if_missing) {
-            (None, Some(allowance)) if allowance >= line.qty => None,
-            (None, Some(_)) => Some(Reason::Insufficient),
-            _ => line_refusal(view, target, line.qty),
-        };
-        match refusal {
-            None => return LineResult::Applied(i),
-            Some(reason) => {
-                first_refusal.get_or_insert(reason);
-            }
-        }
-    }
-    LineResult::Rejected(first_refusal.unwrap_or(Reason::ResourceNotFound))
-}
 
 /// The `(status, kind, available)` of a resource, for judging lines.
 pub fn line_view(
