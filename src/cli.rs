@@ -26,6 +26,8 @@ pub enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Run the load generator: scenarios and baselines against a fresh server (or `--url`).
+    Bench(crate::bench::BenchArgs),
     /// Work with tenant plugins.
     Plugin {
         #[command(subcommand)]
@@ -57,6 +59,7 @@ pub async fn main() -> anyhow::Result<()> {
             println!("migrations applied");
             Ok(())
         }
+        Command::Bench(args) => crate::bench::run(args).await,
         Command::Plugin { command: PluginCommand::Check { file, cases } } => {
             crate::plugin::check(&file, cases.as_deref())
         }

@@ -9,9 +9,11 @@
 //! - [`plugin`]: tenant planning plugins (WebAssembly components) run by wasmtime.
 //! - [`auth`]: API keys and the admin token (hashed, constant-time).
 //! - [`config`], [`startup`], [`cli`], [`telemetry`]: running the process.
+//! - [`bench`]: `stockd bench`, the closed-loop load generator and its baselines.
 
 pub mod api;
 pub mod auth;
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod engine;

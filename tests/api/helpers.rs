@@ -72,7 +72,7 @@ impl Backend {
 
 /// The PostgreSQL server the suite creates its databases on (`STOCKD_TEST_PG_URL`, default the
 /// local server with trust auth). Any database of that server works as the admin connection.
-fn pg_admin_url() -> String {
+pub fn pg_admin_url() -> String {
     std::env::var("STOCKD_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
 }
 

@@ -7,6 +7,7 @@
 //! The storage backend is chosen in one place, `helpers::Backend` (env `STOCKD_TEST_BACKEND`,
 //! default `sqlite`), so the same suite runs against every backend.
 
+mod bench;
 mod cluster;
 mod concurrency;
 mod config_tenants;

@@ -1,0 +1,335 @@
+//! The closed-loop HTTP scenarios: N tokio tasks share one client and send the next request as
+//! soon as the previous one is answered, until the deadline.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use reqwest::{Client, StatusCode};
+use serde_json::{json, Value};
+
+use super::server::random_hex;
+use super::Stats;
+
+/// The named workloads run against stockd over HTTP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    /// One key, qty 1.
+    HotKey,
+    /// 10,000 keys, qty 1.
+    Uniform,
+    /// 5 lines over 1,000 keys.
+    MultiLine,
+    /// Half the requests replay an earlier idempotency key (1,000 keys).
+    ReplayStorm,
+    /// Reserve one line, then confirm or release it (1,000 keys).
+    ReserveConfirm,
+    /// `GET /healthz`: the same server and clients without storage.
+    Ceiling,
+}
+
+impl Workload {
+    /// How many resources the workload spreads over.
+    pub fn keys(self) -> usize {
+        match self {
+            Self::HotKey => 1,
+            Self::Uniform => 10_000,
+            Self::MultiLine | Self::ReplayStorm | Self::ReserveConfirm => 1_000,
+            Self::Ceiling => 0,
+        }
+    }
+
+    /// The scenario's name, also its resource key prefix.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::HotKey => "hot-key",
+            Self::Uniform => "uniform",
+            Self::MultiLine => "multi-line",
+            Self::ReplayStorm => "replay-storm",
+            Self::ReserveConfirm => "reserve-confirm",
+            Self::Ceiling => "ceiling",
+        }
+    }
+}
+
+/// Opening total of each resource: large enough never to run out in a bench run.
+pub const TOTAL: i64 = 1_000_000_000_000;
+
+/// The HTTP side shared by all tasks.
+pub struct Target {
+    pub client: Client,
+    pub base: String,
+    pub api_key: String,
+}
+
+fn key_of(w: Workload, i: usize) -> String {
+    format!("{}:k{i}", w.name())
+}
+
+/// Creates a tenant with the admin token and returns its API key.
+pub async fn create_tenant(client: &Client, base: &str, admin_token: &str) -> anyhow::Result<String> {
+    let id = format!("bench-{}", random_hex(4));
+    let resp = client
+        .post(format!("{base}/v1/admin/tenants"))
+        .bearer_auth(admin_token)
+        .json(&json!({"id": id, "name": "stockd bench"}))
+        .send()
+        .await
+        .context("creating the bench tenant")?;
+    let status = resp.status();
+    let body: Value = resp.json().await.context("tenant response")?;
+    if status != StatusCode::CREATED {
+        bail!("creating the tenant: {status} {body}");
+    }
+    body["api_key"].as_str().map(str::to_string).context("tenant response without api_key")
+}
+
+/// Creates the workload's resources (64 at a time).
+pub async fn create_resources(t: &Target, w: Workload) -> anyhow::Result<()> {
+    let results: Vec<anyhow::Result<()>> = futures::stream::iter(0..w.keys())
+        .map(|i| async move {
+            let resp = t
+                .client
+                .post(format!("{}/v1/resources", t.base))
+                .bearer_auth(&t.api_key)
+                .json(&json!({"key": key_of(w, i), "kind": "inventory", "total": TOTAL}))
+                .send()
+                .await?;
+            let status = resp.status();
+            if status != StatusCode::CREATED && status != StatusCode::CONFLICT {
+                bail!("creating {}: {status} {}", key_of(w, i), resp.text().await.unwrap_or_default());
+            }
+            Ok(())
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    results.into_iter().collect::<anyhow::Result<Vec<()>>>().map(|_| ())
+}
+
+/// What one answer says: ok, or the rejection reason.
+async fn classify(resp: Result<reqwest::Response, reqwest::Error>) -> (bool, bool, Option<String>) {
+    let resp = match resp {
+        Ok(r) => r,
+        Err(err) => return (false, false, Some(if err.is_timeout() { "timeout" } else { "transport" }.into())),
+    };
+    let status = resp.status();
+    let replayed = resp.headers().get("idempotent-replayed").is_some_and(|v| v.as_bytes() == b"true");
+    if status.is_success() {
+        // Drain the body so the connection is reused.
+        let _ = resp.bytes().await;
+        return (true, replayed, None);
+    }
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    let reason = body["code"].as_str().map(str::to_string).or_else(|| {
+        body["lines"].as_array().and_then(|lines| {
+            lines.iter().filter_map(|l| l["reason"].as_str()).find(|r| *r != "skipped").map(str::to_string)
+        })
+    });
+    (false, replayed, Some(reason.unwrap_or_else(|| format!("http_{}", status.as_u16()))))
+}
+
+fn record(stats: &mut Stats, started: Instant, outcome: &(bool, bool, Option<String>)) {
+    stats.latencies_us.push(u32::try_from(started.elapsed().as_micros()).unwrap_or(u32::MAX));
+    stats.requests += 1;
+    if outcome.0 {
+        stats.ok += 1;
+    }
+    if outcome.1 {
+        stats.replayed += 1;
+    }
+    if let Some(reason) = &outcome.2 {
+        *stats.rejections.entry(reason.clone()).or_insert(0) += 1;
+    }
+}
+
+async fn order(t: &Target, idem: &str, body: &Value) -> (bool, bool, Option<String>) {
+    let resp = t
+        .client
+        .post(format!("{}/v1/orders", t.base))
+        .bearer_auth(&t.api_key)
+        .header("Idempotency-Key", idem)
+        .json(body)
+        .send()
+        .await;
+    classify(resp).await
+}
+
+fn order_body(idem: &str, action: &str, keys: &[String]) -> Value {
+    let lines: Vec<Value> = keys.iter().map(|k| json!({"key": k, "qty": 1})).collect();
+    json!({"order_id": idem, "action": action, "lines": lines})
+}
+
+/// One client's closed loop until `deadline`.
+async fn client_loop(t: Arc<Target>, w: Workload, task: usize, deadline: Instant) -> Stats {
+    let mut stats = Stats::default();
+    let mut rng = StdRng::seed_from_u64(task as u64 ^ 0x5eed);
+    let run = random_hex(3);
+    let mut last: Option<(String, Value)> = None;
+    let mut i: u64 = 0;
+    while Instant::now() < deadline {
+        i += 1;
+        let idem = format!("{}-{run}-{task}-{i}", w.name());
+        let started = Instant::now();
+        match w {
+            Workload::Ceiling => {
+                let resp = t.client.get(format!("{}/healthz", t.base)).send().await;
+                let outcome = classify(resp).await;
+                record(&mut stats, started, &outcome);
+            }
+            Workload::HotKey | Workload::Uniform => {
+                let key = key_of(w, rng.random_range(0..w.keys()));
+                let outcome = order(&t, &idem, &order_body(&idem, "deduct", &[key])).await;
+                if outcome.0 {
+                    stats.consumed_expected += 1;
+                }
+                record(&mut stats, started, &outcome);
+            }
+            Workload::MultiLine => {
+                let mut picked: Vec<usize> = Vec::with_capacity(5);
+                while picked.len() < 5 {
+                    let k = rng.random_range(0..w.keys());
+                    if !picked.contains(&k) {
+                        picked.push(k);
+                    }
+                }
+                let keys: Vec<String> = picked.into_iter().map(|k| key_of(w, k)).collect();
+                let outcome = order(&t, &idem, &order_body(&idem, "deduct", &keys)).await;
+                if outcome.0 {
+                    stats.consumed_expected += 5;
+                }
+                record(&mut stats, started, &outcome);
+            }
+            Workload::ReplayStorm => {
+                let (idem, body) = match last.take() {
+                    Some(prev) if rng.random_bool(0.5) => prev,
+                    _ => {
+                        let key = key_of(w, rng.random_range(0..w.keys()));
+                        let body = order_body(&idem, "deduct", &[key]);
+                        (idem, body)
+                    }
+                };
+                let outcome = order(&t, &idem, &body).await;
+                if outcome.0 && !outcome.1 {
+                    stats.consumed_expected += 1;
+                }
+                record(&mut stats, started, &outcome);
+                last = Some((idem, body));
+            }
+            Workload::ReserveConfirm => {
+                let key = key_of(w, rng.random_range(0..w.keys()));
+                let resp = t
+                    .client
+                    .post(format!("{}/v1/orders", t.base))
+                    .bearer_auth(&t.api_key)
+                    .header("Idempotency-Key", &idem)
+                    .json(&order_body(&idem, "reserve", &[key]))
+                    .send()
+                    .await;
+                let reservation = match resp {
+                    Ok(r) if r.status() == StatusCode::CREATED => {
+                        let doc: Value = r.json().await.unwrap_or(Value::Null);
+                        doc["reservation_id"].as_str().map(str::to_string)
+                    }
+                    other => {
+                        let outcome = classify(other).await;
+                        record(&mut stats, started, &outcome);
+                        continue;
+                    }
+                };
+                record(&mut stats, started, &(reservation.is_some(), false, None));
+                let Some(id) = reservation else { continue };
+                let confirm = rng.random_bool(0.5);
+                let action = if confirm { "confirm" } else { "release" };
+                let started = Instant::now();
+                let resp = t
+                    .client
+                    .post(format!("{}/v1/reservations/{id}/{action}", t.base))
+                    .bearer_auth(&t.api_key)
+                    .send()
+                    .await;
+                let outcome = classify(resp).await;
+                if outcome.0 && confirm {
+                    stats.consumed_expected += 1;
+                }
+                record(&mut stats, started, &outcome);
+            }
+        }
+    }
+    stats
+}
+
+/// Runs the workload with `clients` tasks for `duration` and merges their stats.
+pub async fn run(t: &Arc<Target>, w: Workload, clients: usize, duration: Duration) -> anyhow::Result<Stats> {
+    let started = Instant::now();
+    let deadline = started + duration;
+    let handles: Vec<_> = (0..clients).map(|task| tokio::spawn(client_loop(t.clone(), w, task, deadline))).collect();
+    let mut total = Stats::default();
+    for h in handles {
+        total.merge(h.await.context("a bench client task failed")?);
+    }
+    total.elapsed = started.elapsed();
+    Ok(total)
+}
+
+/// Checks the workload's resources and the tenant's reconciliation over HTTP; returns the
+/// violations found (empty: all invariants hold).
+pub async fn check(t: &Target, w: Workload, stats: &Stats) -> anyhow::Result<Vec<String>> {
+    let mut problems = Vec::new();
+    if w == Workload::Ceiling {
+        return Ok(problems);
+    }
+    let (mut consumed, mut reserved, mut seen) = (0i64, 0i64, 0usize);
+    let mut after: Option<String> = None;
+    loop {
+        let mut req = t
+            .client
+            .get(format!("{}/v1/resources", t.base))
+            .bearer_auth(&t.api_key)
+            .query(&[("prefix", format!("{}:", w.name())), ("limit", "1000".into())]);
+        if let Some(a) = &after {
+            req = req.query(&[("after", a)]);
+        }
+        let page: Value = req.send().await?.error_for_status()?.json().await.context("resource page")?;
+        for item in page["items"].as_array().map(Vec::as_slice).unwrap_or_default() {
+            let get = |f: &str| item[f].as_i64().unwrap_or(-1);
+            let (a, r, c, total) = (get("available"), get("reserved"), get("consumed"), get("total"));
+            seen += 1;
+            if a < 0 || r < 0 || c < 0 || a + r + c != total {
+                problems.push(format!("{}: available {a} reserved {r} consumed {c} total {total}", item["key"]));
+            }
+            consumed += c;
+            reserved += r;
+        }
+        match page["next_after"].as_str() {
+            Some(next) => after = Some(next.to_string()),
+            None => break,
+        }
+    }
+    if seen != w.keys() {
+        problems.push(format!("{seen} resources found, {} expected", w.keys()));
+    }
+    if consumed != stats.consumed_expected {
+        problems.push(format!("consumed {consumed} != acknowledged successes {}", stats.consumed_expected));
+    }
+    if w == Workload::ReserveConfirm && reserved != 0 {
+        problems.push(format!("{reserved} still reserved after every reservation was confirmed or released"));
+    }
+    let rec: Value = t
+        .client
+        .get(format!("{}/v1/reconciliation", t.base))
+        .bearer_auth(&t.api_key)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await
+        .context("reconciliation")?;
+    if let Some(drift) = rec["drift"].as_array().filter(|d| !d.is_empty()) {
+        problems.push(format!("reconciliation drift: {}", Value::Array(drift.clone())));
+    }
+    Ok(problems)
+}

@@ -1,0 +1,322 @@
+//! `stockd bench`: a closed-loop load generator for stockd.
+//!
+//! It starts its own server (a child process of this executable on a free port with a fresh
+//! database) or targets `--url`, creates a tenant and the scenario's resources, runs each named
+//! scenario with N concurrent clients for a fixed time, then checks the invariants over HTTP
+//! (no negative state, `available + reserved + consumed == total`, reconciliation without drift,
+//! acknowledged successes == consumed) and prints one table (and optionally a JSON file):
+//! throughput, p50/p95/p99/max latency, rejections by reason, the server's peak RSS.
+//!
+//! Baselines measured in the same run on the same database: `ceiling` (`GET /healthz` under the
+//! same clients), `row-lock` and `guarded-per-request` (see [`baseline`]); each stockd scenario
+//! is printed with its throughput ratio to them.
+
+pub mod baseline;
+pub mod load;
+pub mod server;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+
+use baseline::Naive;
+use load::{Target, Workload};
+use server::Server;
+
+/// The storage backend of the server the bench starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// A fresh SQLite file in a temp dir.
+    Sqlite,
+    /// A fresh database on `--database-url`, dropped at the end.
+    Postgres,
+}
+
+/// `stockd bench` options.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Storage backend of the server started by the bench.
+    #[arg(long, value_enum, default_value = "sqlite")]
+    pub backend: Backend,
+    /// PostgreSQL server on which a fresh database is created (and dropped) for `--backend postgres`.
+    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
+    pub database_url: String,
+    /// Target an already running server on 127.0.0.1 instead of starting one (no baselines, no RSS).
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Admin token of the `--url` server.
+    #[arg(long, env = "STOCKD_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Concurrent closed-loop clients.
+    #[arg(long, default_value_t = 64)]
+    pub clients: usize,
+    /// Seconds each scenario runs.
+    #[arg(long, default_value_t = 10)]
+    pub duration_secs: u64,
+    /// Comma-separated scenarios: hot-key, uniform, multi-line, replay-storm, reserve-confirm,
+    /// ceiling, row-lock, guarded-per-request.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ceiling,hot-key,uniform,multi-line,replay-storm,reserve-confirm,row-lock,guarded-per-request"
+    )]
+    pub scenarios: Vec<String>,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Raw counts of one scenario (merged over its clients).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Latency of each request, µs.
+    pub latencies_us: Vec<u32>,
+    /// Requests answered (or failed).
+    pub requests: u64,
+    /// Successful answers (2xx).
+    pub ok: u64,
+    /// Answers marked `Idempotent-Replayed: true`.
+    pub replayed: u64,
+    /// Units the acknowledged successes must have consumed.
+    pub consumed_expected: i64,
+    /// Non-success answers by reason code.
+    pub rejections: BTreeMap<String, u64>,
+    /// Wall time of the run.
+    pub elapsed: Duration,
+}
+
+impl Stats {
+    fn merge(&mut self, other: Stats) {
+        self.latencies_us.extend(other.latencies_us);
+        self.requests += other.requests;
+        self.ok += other.ok;
+        self.replayed += other.replayed;
+        self.consumed_expected += other.consumed_expected;
+        for (k, v) in other.rejections {
+            *self.rejections.entry(k).or_insert(0) += v;
+        }
+    }
+}
+
+/// One row of the report.
+#[derive(Debug, Serialize)]
+pub struct ScenarioResult {
+    pub scenario: String,
+    pub backend: Backend,
+    pub clients: usize,
+    pub duration_secs: f64,
+    pub requests: u64,
+    pub ok: u64,
+    pub replayed: u64,
+    pub ok_per_sec: f64,
+    pub requests_per_sec: f64,
+    pub p50_us: u32,
+    pub p95_us: u32,
+    pub p99_us: u32,
+    pub max_us: u32,
+    pub rejections: BTreeMap<String, u64>,
+    pub invariants_ok: bool,
+    pub violations: Vec<String>,
+    pub server_peak_rss_kib: Option<u64>,
+    pub ratio_to_ceiling: Option<f64>,
+    pub ratio_to_row_lock: Option<f64>,
+    pub ratio_to_guarded_per_request: Option<f64>,
+}
+
+fn percentile(sorted: &[u32], p: f64) -> u32 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn summarize(
+    name: &str,
+    args: &BenchArgs,
+    mut stats: Stats,
+    violations: Vec<String>,
+    rss: Option<u64>,
+) -> ScenarioResult {
+    stats.latencies_us.sort_unstable();
+    let secs = stats.elapsed.as_secs_f64().max(1e-9);
+    let l = &stats.latencies_us;
+    ScenarioResult {
+        scenario: name.to_string(),
+        backend: args.backend,
+        clients: args.clients,
+        duration_secs: secs,
+        requests: stats.requests,
+        ok: stats.ok,
+        replayed: stats.replayed,
+        ok_per_sec: stats.ok as f64 / secs,
+        requests_per_sec: stats.requests as f64 / secs,
+        p50_us: percentile(l, 50.0),
+        p95_us: percentile(l, 95.0),
+        p99_us: percentile(l, 99.0),
+        max_us: l.last().copied().unwrap_or(0),
+        rejections: stats.rejections,
+        invariants_ok: violations.is_empty(),
+        violations,
+        server_peak_rss_kib: rss,
+        ratio_to_ceiling: None,
+        ratio_to_row_lock: None,
+        ratio_to_guarded_per_request: None,
+    }
+}
+
+enum Scenario {
+    Http(Workload),
+    Naive(Naive),
+}
+
+fn parse_scenario(name: &str) -> anyhow::Result<Scenario> {
+    Ok(match name.trim() {
+        "hot-key" => Scenario::Http(Workload::HotKey),
+        "uniform" => Scenario::Http(Workload::Uniform),
+        "multi-line" => Scenario::Http(Workload::MultiLine),
+        "replay-storm" => Scenario::Http(Workload::ReplayStorm),
+        "reserve-confirm" => Scenario::Http(Workload::ReserveConfirm),
+        "ceiling" => Scenario::Http(Workload::Ceiling),
+        "row-lock" => Scenario::Naive(Naive::RowLock),
+        "guarded-per-request" => Scenario::Naive(Naive::Guarded),
+        other => bail!("unknown scenario {other:?}"),
+    })
+}
+
+/// `stockd bench`: runs the scenarios, prints the table, writes the JSON.
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let scenarios = args.scenarios.iter().map(|s| parse_scenario(s)).collect::<anyhow::Result<Vec<_>>>()?;
+    if args.clients == 0 || args.duration_secs == 0 {
+        bail!("--clients and --duration-secs must be positive");
+    }
+    let mut server = match &args.url {
+        Some(url) => Server::external(url, args.admin_token.clone())?,
+        None => Server::start(args.backend, &args.database_url).await?,
+    };
+    eprintln!(
+        "bench: server at {} ({:?}), {} clients, {} s per scenario",
+        server.base, args.backend, args.clients, args.duration_secs
+    );
+    let outcome = run_all(&args, &server, &scenarios).await;
+    server.stop().await;
+    let mut results = outcome?;
+    add_ratios(&mut results);
+    print_table(&results);
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&results)?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("bench: results written to {}", path.display());
+    }
+    if results.iter().any(|r| !r.invariants_ok) {
+        bail!("invariant violations (see the table)");
+    }
+    Ok(())
+}
+
+async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> anyhow::Result<Vec<ScenarioResult>> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(args.clients)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .context("building the HTTP client")?;
+    let api_key = load::create_tenant(&client, &server.base, &server.admin_token).await?;
+    let target = Arc::new(Target { client, base: server.base.clone(), api_key });
+    let duration = Duration::from_secs(args.duration_secs);
+    let mut results = Vec::new();
+    for scenario in scenarios {
+        match scenario {
+            Scenario::Http(w) => {
+                eprintln!("bench: {} ...", w.name());
+                load::create_resources(&target, *w).await.with_context(|| format!("setting up {}", w.name()))?;
+                let stats = load::run(&target, *w, args.clients, duration).await?;
+                let violations =
+                    load::check(&target, *w, &stats).await.with_context(|| format!("checking {}", w.name()))?;
+                results.push(summarize(w.name(), args, stats, violations, server.peak_rss_kib()));
+            }
+            Scenario::Naive(n) => {
+                let Some(db) = &server.db else {
+                    eprintln!("bench: skipping {} (no direct database access with --url)", n.name());
+                    continue;
+                };
+                eprintln!("bench: {} ...", n.name());
+                let (stats, violations) = baseline::run(db, *n, args.clients, duration).await?;
+                results.push(summarize(n.name(), args, stats, violations, None));
+            }
+        }
+    }
+    Ok(results)
+}
+
+fn add_ratios(results: &mut [ScenarioResult]) {
+    let find = |name: &str| results.iter().find(|r| r.scenario == name).map(|r| r.ok_per_sec).filter(|v| *v > 0.0);
+    let (ceiling, row_lock, guarded) = (find("ceiling"), find("row-lock"), find("guarded-per-request"));
+    for r in results.iter_mut() {
+        if ["ceiling", "row-lock", "guarded-per-request"].contains(&r.scenario.as_str()) {
+            continue;
+        }
+        r.ratio_to_ceiling = ceiling.map(|c| r.ok_per_sec / c);
+        r.ratio_to_row_lock = row_lock.map(|c| r.ok_per_sec / c);
+        r.ratio_to_guarded_per_request = guarded.map(|c| r.ok_per_sec / c);
+    }
+}
+
+fn ms(us: u32) -> String {
+    format!("{:.2}", f64::from(us) / 1000.0)
+}
+
+fn ratio(r: Option<f64>) -> String {
+    r.map_or_else(|| "-".into(), |v| format!("{v:.2}x"))
+}
+
+fn print_table(results: &[ScenarioResult]) {
+    println!(
+        "{:<20} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  rejections",
+        "scenario",
+        "ok/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "max ms",
+        "rss MiB",
+        "xceil",
+        "xrowlock",
+        "xguarded",
+        "inv",
+        "replayed"
+    );
+    for r in results {
+        let rejections = if r.rejections.is_empty() {
+            "-".to_string()
+        } else {
+            r.rejections.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+        };
+        println!(
+            "{:<20} {:>10.0} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  {}",
+            r.scenario,
+            r.ok_per_sec,
+            ms(r.p50_us),
+            ms(r.p95_us),
+            ms(r.p99_us),
+            ms(r.max_us),
+            r.server_peak_rss_kib.map_or_else(|| "-".into(), |k| format!("{:.1}", k as f64 / 1024.0)),
+            ratio(r.ratio_to_ceiling),
+            ratio(r.ratio_to_row_lock),
+            ratio(r.ratio_to_guarded_per_request),
+            if r.invariants_ok { "ok" } else { "FAIL" },
+            r.replayed,
+            rejections
+        );
+    }
+    for r in results.iter().filter(|r| !r.invariants_ok) {
+        for v in &r.violations {
+            println!("  {}: {v}", r.scenario);
+        }
+    }
+}

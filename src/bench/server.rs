@@ -1,0 +1,184 @@
+//! The server under test: a child process of the current executable on a free port with a
+//! fresh database (SQLite file in a temp dir, or a fresh PostgreSQL database that is dropped at
+//! the end), or an already running server given by `--url`.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, Connection};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use super::Backend;
+
+/// Where the bench process itself can reach the server's database (for the baselines).
+#[derive(Debug, Clone)]
+pub enum DbAccess {
+    /// Path of the SQLite file the server uses.
+    Sqlite(PathBuf),
+    /// URL of the fresh PostgreSQL database the server uses.
+    Postgres(String),
+}
+
+/// A running (or external) server and what is needed to clean up after it.
+pub struct Server {
+    /// Base URL, e.g. `http://127.0.0.1:40123`.
+    pub base: String,
+    /// The admin token to create the tenant with.
+    pub admin_token: String,
+    /// The child's pid (for `/proc/<pid>/status`), when we started it.
+    pub pid: Option<u32>,
+    /// Direct access to its database, when we created it.
+    pub db: Option<DbAccess>,
+    child: Option<Child>,
+    temp_dir: Option<PathBuf>,
+    pg_drop: Option<(String, String)>,
+}
+
+/// A random lowercase hex string of `bytes` random bytes.
+pub fn random_hex(bytes: usize) -> String {
+    let raw: Vec<u8> = (0..bytes).map(|_| rand::random::<u8>()).collect();
+    hex::encode(raw)
+}
+
+/// Replaces the database name (the URL path) of a PostgreSQL URL.
+fn with_database(url: &str, db: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, format!("?{q}")),
+        None => (url, String::new()),
+    };
+    let host_start = base.find("://").map_or(0, |i| i + 3);
+    let authority_end = base[host_start..].find('/').map_or(base.len(), |i| host_start + i);
+    format!("{}/{db}{query}", &base[..authority_end])
+}
+
+impl Server {
+    /// Uses a server that is already running; only 127.0.0.1 / localhost is accepted.
+    pub fn external(url: &str, admin_token: Option<String>) -> anyhow::Result<Self> {
+        let base = url.trim_end_matches('/').to_string();
+        let rest = base.strip_prefix("http://").context("--url must be http://127.0.0.1:PORT")?;
+        if !(rest.starts_with("127.0.0.1:") || rest.starts_with("localhost:")) {
+            bail!("--url must target 127.0.0.1 (got {url})");
+        }
+        let admin_token = admin_token.context("--url needs --admin-token (or STOCKD_ADMIN_TOKEN)")?;
+        Ok(Self { base, admin_token, pid: None, db: None, child: None, temp_dir: None, pg_drop: None })
+    }
+
+    /// Starts `stockd serve` as a child process on a fresh database and waits until it listens.
+    pub async fn start(backend: Backend, admin_db_url: &str) -> anyhow::Result<Self> {
+        let admin_token = random_hex(24);
+        let (db_url, db, temp_dir, pg_drop) = match backend {
+            Backend::Sqlite => {
+                let dir = std::env::temp_dir().join(format!("stockd-bench-{}", random_hex(6)));
+                std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+                let file = dir.join("bench.db");
+                (format!("sqlite://{}", file.display()), DbAccess::Sqlite(file), Some(dir), None)
+            }
+            Backend::Postgres => {
+                let name = format!("stockd_bench_{}", random_hex(6));
+                let opts = PgConnectOptions::from_str(admin_db_url).context("parsing --database-url")?;
+                let mut conn = opts.connect().await.with_context(|| format!("connecting to {admin_db_url}"))?;
+                sqlx::query(&format!("CREATE DATABASE {name}"))
+                    .execute(&mut conn)
+                    .await
+                    .with_context(|| format!("creating database {name}"))?;
+                conn.close().await.ok();
+                let url = with_database(admin_db_url, &name);
+                (url.clone(), DbAccess::Postgres(url), None, Some((admin_db_url.to_string(), name)))
+            }
+        };
+        let exe = std::env::current_exe().context("locating the stockd executable")?;
+        let mut child = Command::new(exe)
+            .arg("serve")
+            .env("STOCKD_LISTEN", "127.0.0.1:0")
+            .env("STOCKD_DATABASE_URL", &db_url)
+            .env("STOCKD_ADMIN_TOKEN", &admin_token)
+            .env("RUST_LOG", std::env::var("STOCKD_BENCH_SERVER_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting `stockd serve`")?;
+        let pid = child.id();
+        let stdout = child.stdout.take().context("server stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let mut server =
+            Self { base: String::new(), admin_token, pid, db: Some(db), child: Some(child), temp_dir, pg_drop };
+        let wait = async {
+            while let Some(line) = lines.next_line().await? {
+                if let Some(addr) = line.trim().strip_prefix("listening on ") {
+                    return Ok::<_, anyhow::Error>(Some(addr.to_string()));
+                }
+            }
+            Ok(None)
+        };
+        let addr = match tokio::time::timeout(Duration::from_secs(60), wait).await {
+            Ok(Ok(Some(addr))) => addr,
+            Ok(Ok(None)) => {
+                server.stop().await;
+                bail!("the server exited before listening")
+            }
+            Ok(Err(err)) => {
+                server.stop().await;
+                return Err(err.context("reading the server's stdout"));
+            }
+            Err(_) => {
+                server.stop().await;
+                bail!("the server did not listen within 60 s")
+            }
+        };
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        server.base = addr.trim_end_matches('/').to_string();
+        Ok(server)
+    }
+
+    /// Peak resident set size of the server so far (VmHWM), in KiB.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid?)).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    }
+
+    /// Stops the child, removes the temp dir and drops the PostgreSQL database.
+    pub async fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+        }
+        if let Some(dir) = self.temp_dir.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        if let Some((admin_url, name)) = self.pg_drop.take() {
+            let dropped = async {
+                let mut conn = PgConnectOptions::from_str(&admin_url)?.connect().await?;
+                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
+                conn.close().await?;
+                Ok::<_, sqlx::Error>(())
+            };
+            if let Err(err) = dropped.await {
+                eprintln!("bench: could not drop database {name}: {err}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_database;
+
+    #[test]
+    fn replaces_the_database_name() {
+        assert_eq!(
+            with_database("postgres://postgres@127.0.0.1:5432/postgres", "b"),
+            "postgres://postgres@127.0.0.1:5432/b"
+        );
+        assert_eq!(with_database("postgres://u@h:1", "b"), "postgres://u@h:1/b");
+        assert_eq!(with_database("postgres://u@h/x?sslmode=disable", "b"), "postgres://u@h/b?sslmode=disable");
+    }
+}
