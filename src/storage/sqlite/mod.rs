@@ -157,7 +157,11 @@ fn ledger_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<LedgerEntry, Storage
 impl Storage for SqliteStorage {
     async fn ready(&self) -> Result<(), StorageError> {
         sqlx::query("SELECT 1 FROM resources LIMIT 1").fetch_optional(&self.read).await?;
-        self.writer().map(|_| ())
+        if self.writer()?.is_running() {
+            Ok(())
+        } else {
+            Err(StorageError::Unavailable("the writer thread has stopped".into()))
+        }
     }
 
     async fn create_tenant(

@@ -48,6 +48,11 @@ impl Writer {
         Ok((Self { queue: tx }, thread))
     }
 
+    /// Whether the writer thread is still taking jobs (it stops only on shutdown, or if it died).
+    pub fn is_running(&self) -> bool {
+        !self.queue.is_closed()
+    }
+
     /// Runs `work` in the next batch and returns its result once that batch is durable.
     pub async fn submit<T, F>(&self, work: F) -> Result<T, StorageError>
     where
