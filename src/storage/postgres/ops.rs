@@ -465,14 +465,33 @@ pub async fn adjust(
     Ok(Ok(Idempotent::Fresh(response)))
 }
 
-const DEDUCT_SQL: &str = "UPDATE resources SET available = available - $1, consumed = consumed + $1,
-        version = version + 1, updated_at = $2
-    WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1 AND ($5::text IS NULL OR kind = $5::text)
-    RETURNING available, reserved, consumed, version";
-const RESERVE_SQL: &str = "UPDATE resources SET available = available - $1, reserved = reserved + $1,
-        version = version + 1, updated_at = $2
-    WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1 AND ($5::text IS NULL OR kind = $5::text)
-    RETURNING available, reserved, consumed, version";
+/// The guarded UPDATE and its ledger row in one statement (one round trip): the INSERT reads
+/// the UPDATE's RETURNING, so it writes a row exactly when the guard let the change through.
+const fn apply_sql(reserve: bool) -> &'static str {
+    if reserve {
+        "WITH changed AS (
+            UPDATE resources SET available = available - $1, reserved = reserved + $1,
+                version = version + 1, updated_at = $2
+            WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1
+              AND ($5::text IS NULL OR kind = $5::text)
+            RETURNING available, reserved, consumed, version)
+         INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+                             available_after, reserved_after, consumed_after, version_after, plugin_version, at)
+         SELECT $3, $4, 0, 'reserve', $1, $6, $7, $8, available, reserved, consumed, version, $9, $2 FROM changed
+         RETURNING seq"
+    } else {
+        "WITH changed AS (
+            UPDATE resources SET available = available - $1, consumed = consumed + $1,
+                version = version + 1, updated_at = $2
+            WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1
+              AND ($5::text IS NULL OR kind = $5::text)
+            RETURNING available, reserved, consumed, version)
+         INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+                             available_after, reserved_after, consumed_after, version_after, plugin_version, at)
+         SELECT $3, $4, 0, 'deduct', $1, $6, $7, $8, available, reserved, consumed, version, $9, $2 FROM changed
+         RETURNING seq"
+    }
+}
 
 /// What a per-user limit key has used so far (0 if never).
 pub(super) async fn limit_used(conn: &mut PgConnection, tenant: &str, key: &str) -> Result<i64, StorageError> {
@@ -516,10 +535,7 @@ async fn apply_target(
     qty: i64,
     target: &Target,
 ) -> Result<Option<Reason>, StorageError> {
-    let (sql, op) = match facts.action {
-        Action::Deduct => (DEDUCT_SQL, LedgerOp::Deduct),
-        Action::Reserve => (RESERVE_SQL, LedgerOp::Reserve),
-    };
+    let sql = apply_sql(facts.action == Action::Reserve);
     let tenant = facts.tenant.as_str();
     let update = || {
         sqlx::query(sql)
@@ -528,37 +544,29 @@ async fn apply_target(
             .bind(tenant)
             .bind(target.resource.as_str())
             .bind(target.kind.map(Kind::as_str))
+            .bind(facts.request_id)
+            .bind(facts.order_id)
+            .bind(facts.reservation_id)
+            .bind(facts.plugin_version)
     };
-    let mut row = update().fetch_optional(&mut *conn).await?;
-    if row.is_none() {
+    let mut applied = update().fetch_optional(&mut *conn).await?.is_some();
+    if !applied {
         if let Some(allowance) = target.create_if_missing {
             // ON CONFLICT DO NOTHING: when another process created the same period meanwhile
             // (or it existed and was short), this creates nothing and the update is judged again.
             let kind = target.kind.unwrap_or(Kind::Quota);
             let new = NewResource { key: target.resource.clone(), kind, total: allowance };
             create_resource_as(conn, facts.tenant, &new, facts.plugin_version, facts.now_ms).await?;
-            row = update().fetch_optional(&mut *conn).await?;
+            applied = update().fetch_optional(&mut *conn).await?.is_some();
         }
     }
-    let Some(row) = row else {
-        let view = line_view(conn, tenant, target.resource.as_str()).await?;
-        // The guarded UPDATE refused, so some reason applied at that moment. Another process may
-        // have changed the row since (a restock, say); then the refusal was for want of stock.
-        return Ok(Some(line_refusal(view, target, qty).unwrap_or(Reason::Insufficient)));
-    };
-    let ledger = LedgerFacts {
-        tenant,
-        resource: target.resource.as_str(),
-        op,
-        qty,
-        request_id: facts.request_id,
-        order_id: Some(facts.order_id),
-        reservation_id: facts.reservation_id,
-        plugin_version: facts.plugin_version,
-        now_ms: facts.now_ms,
-    };
-    append_ledger(conn, ledger, After::from_row(&row)?).await?;
-    Ok(None)
+    if applied {
+        return Ok(None);
+    }
+    let view = line_view(conn, tenant, target.resource.as_str()).await?;
+    // The guarded UPDATE refused, so some reason applied at that moment. Another process may
+    // have changed the row since (a restock, say); then the refusal was for want of stock.
+    Ok(Some(line_refusal(view, target, qty).unwrap_or(Reason::Insufficient)))
 }
 
 /// Counts `qty` against a per-user limit if it stays within `max`; `false`: it would not.
