@@ -28,15 +28,15 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use self::ops::{reservation_from_row, resource_from_row};
-use super::rules::{preview_line, RESOURCE_COLUMNS};
+use super::rules::{preview_line, reconcile_rows, RESOURCE_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
 };
 use crate::engine::{
-    reconcile, LedgerEntry, LedgerOp, LedgerSum, NewestEntry, OrderDocument, OrderRequest, Plan, Reconciliation,
-    Reservation, ResourceKey, ResourceState, ResourceStatus, TenantId,
+    LedgerEntry, LedgerOp, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
+    ResourceStatus, TenantId,
 };
 use crate::time::Timestamp;
 
@@ -766,38 +766,11 @@ impl Storage for PgStorage {
         .await?;
         tx.commit().await?;
 
-        let sums = sums
-            .iter()
-            .map(|row| {
-                let op: String = row.try_get("op")?;
-                Ok(LedgerSum {
-                    tenant: row.try_get("tenant_id")?,
-                    key: row.try_get("resource_key")?,
-                    op: LedgerOp::from_db(&op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
-                    qty: row.try_get("qty")?,
-                    count: row.try_get("n")?,
-                })
-            })
-            .collect::<Result<Vec<_>, StorageError>>()?;
-        let newest = latest
-            .iter()
-            .map(|row| {
-                Ok(NewestEntry {
-                    tenant: row.try_get("tenant_id")?,
-                    key: row.try_get("resource_key")?,
-                    after: [
-                        row.try_get("available_after")?,
-                        row.try_get("reserved_after")?,
-                        row.try_get("consumed_after")?,
-                    ],
-                })
-            })
-            .collect::<Result<Vec<_>, StorageError>>()?;
         let resources = resources
             .iter()
             .map(|row| Ok((row.try_get("tenant_id")?, resource_from_row(row)?)))
             .collect::<Result<Vec<_>, StorageError>>()?;
-        Ok(reconcile(&resources, &sums, &newest))
+        reconcile_rows(resources, &sums, &latest)
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

@@ -14,14 +14,14 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use sqlx::{ConnectOptions, Row};
 
 use self::writer::{Writer, WriterLimits};
-use super::rules::{preview_line, RESOURCE_COLUMNS};
+use super::rules::{preview_line, reconcile_rows, RESOURCE_COLUMNS};
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
 };
 use crate::engine::{
-    reconcile, Kind, LedgerEntry, LedgerOp, LedgerSum, Mode, NewestEntry, OrderDocument, OrderRequest, Plan,
-    Reconciliation, Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
+    Kind, LedgerEntry, LedgerOp, Mode, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation,
+    ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
 use crate::time::Timestamp;
 
@@ -414,38 +414,11 @@ impl Storage for SqliteStorage {
         .await?;
         tx.commit().await?;
 
-        let sums = sums
-            .iter()
-            .map(|row| {
-                let op: String = row.try_get("op")?;
-                Ok(LedgerSum {
-                    tenant: row.try_get("tenant_id")?,
-                    key: row.try_get("resource_key")?,
-                    op: LedgerOp::from_db(&op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
-                    qty: row.try_get("qty")?,
-                    count: row.try_get("n")?,
-                })
-            })
-            .collect::<Result<Vec<_>, StorageError>>()?;
-        let newest = latest
-            .iter()
-            .map(|row| {
-                Ok(NewestEntry {
-                    tenant: row.try_get("tenant_id")?,
-                    key: row.try_get("resource_key")?,
-                    after: [
-                        row.try_get("available_after")?,
-                        row.try_get("reserved_after")?,
-                        row.try_get("consumed_after")?,
-                    ],
-                })
-            })
-            .collect::<Result<Vec<_>, StorageError>>()?;
         let resources = resources
             .iter()
             .map(|row| Ok((row.try_get("tenant_id")?, resource_from_row(row)?)))
             .collect::<Result<Vec<_>, StorageError>>()?;
-        Ok(reconcile(&resources, &sums, &newest))
+        reconcile_rows(resources, &sums, &latest)
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

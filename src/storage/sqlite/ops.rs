@@ -10,10 +10,10 @@ use ulid::Ulid;
 use crate::engine::order::decide;
 use crate::engine::{
     Action, Kind, LedgerOp, LimitSpec, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason, Reservation,
-    ReservationLine, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
+    ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
 use crate::problem::Problem;
-use crate::storage::rules::{line_refusal, new_request_id, RESOURCE_COLUMNS};
+use crate::storage::rules::{line_refusal, new_request_id, reservation_lines_json, RESOURCE_COLUMNS};
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, StorageError, StoredResponse, Transition,
@@ -576,22 +576,7 @@ fn insert_reservation(
     expires_at: Timestamp,
     now_ms: i64,
 ) -> Result<(), StorageError> {
-    let lines: Vec<ReservationLine> = job
-        .plan
-        .lines
-        .iter()
-        .zip(results)
-        .filter_map(|(p, r)| match r {
-            LineResult::Applied(target) => Some(ReservationLine {
-                key: job.order.lines.get(p.line).map(|l| l.key.to_string()).unwrap_or_default(),
-                resource: p.targets.get(*target).map(|t| t.resource.to_string()).unwrap_or_default(),
-                qty: p.qty,
-                limit_key: p.limit.as_ref().map(|l| l.key.to_string()),
-            }),
-            LineResult::Rejected(_) => None,
-        })
-        .collect();
-    let lines = serde_json::to_string(&lines).map_err(|e| StorageError::Internal(e.to_string()))?;
+    let lines = reservation_lines_json(job, results)?;
     conn.prepare_cached(
         "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
          VALUES (?1, ?2, ?3, 'held', ?4, ?5, ?6, ?6)",
