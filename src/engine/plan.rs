@@ -96,6 +96,14 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The order in which lines are applied: by their smallest resource key, one global order,
+    /// so concurrent multi-line orders never wait on each other's row locks in a cycle.
+    pub fn lock_sequence(&self) -> Vec<usize> {
+        let mut sequence: Vec<usize> = (0..self.lines.len()).collect();
+        sequence.sort_by(|a, b| self.lines[*a].lock_key().cmp(&self.lines[*b].lock_key()));
+        sequence
+    }
+
     /// Every resource the plan may touch, for backends that lock rows up front.
     pub fn resources(&self) -> impl Iterator<Item = &ResourceKey> {
         self.lines.iter().flat_map(|l| l.targets.iter().map(|t| &t.resource))

@@ -669,10 +669,7 @@ pub async fn execute_order(
         plugin_version: Some(job.plan.planner.version),
         now_ms,
     };
-    // Lines are applied in one global order (by resource key) so that concurrent multi-line
-    // orders, here or in another process, never wait on each other's row locks in a cycle.
-    let mut sequence: Vec<usize> = (0..job.plan.lines.len()).collect();
-    sequence.sort_by(|a, b| job.plan.lines[*a].lock_key().cmp(&job.plan.lines[*b].lock_key()));
+    let sequence = job.plan.lock_sequence();
     // A single line that fails changed nothing, so only multi-line orders need a savepoint.
     let nested = job.plan.lines.len() > 1;
     if nested {

@@ -536,10 +536,7 @@ pub fn execute_order(conn: &Connection, job: &OrderJob, now_ms: i64) -> Result<O
         plugin_version: Some(job.plan.planner.version),
         now_ms,
     };
-    // Lines are applied in one global order (by resource key) so that concurrent multi-line
-    // orders on a shared database can never wait on each other in a cycle.
-    let mut sequence: Vec<usize> = (0..job.plan.lines.len()).collect();
-    sequence.sort_by(|a, b| job.plan.lines[*a].lock_key().cmp(&job.plan.lines[*b].lock_key()));
+    let sequence = job.plan.lock_sequence();
     // A single line that fails changed nothing, so only multi-line orders need a savepoint.
     let nested = job.plan.lines.len() > 1;
     if nested {
