@@ -13,6 +13,7 @@ use super::error::ApiError;
 use super::extract::{IdemKey, Tenant, ValidJson};
 use super::{idempotent_response, SharedState};
 use crate::engine::{Kind, LedgerEntry, Mode, ResourceKey, ResourceState, ResourceStatus, MAX_LINE_QTY, MAX_TOTAL};
+use crate::storage::rules::MAX_BUCKETS;
 use crate::storage::{AdjustRefusal, NewResource};
 use crate::time::now_ms;
 
@@ -34,7 +35,8 @@ pub struct CreateResource {
     pub kind: Kind,
     /// Opening total, 0..=10^15, in the smallest unit.
     pub total: i64,
-    /// Number of bucket rows; this server supports 1.
+    /// Number of bucket rows the counters are split over, 1..=1024 (default 1). Orders fall
+    /// back across buckets, so a line is refused only when the total available cannot cover it.
     #[serde(default)]
     pub buckets: Option<i64>,
     /// Deduction path; this server supports "db".
@@ -115,9 +117,17 @@ fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
     q.map(|Query(v)| v).map_err(|e| ApiError::validation("query", e.body_text()))
 }
 
+/// The bucket count of a new resource.
+fn bucket_count(buckets: Option<i64>) -> Result<i64, ApiError> {
+    match buckets.unwrap_or(1) {
+        n @ 1..=MAX_BUCKETS => Ok(n),
+        _ => Err(ApiError::validation("buckets", format!("must be between 1 and {MAX_BUCKETS}"))),
+    }
+}
+
 fn only_supported(buckets: Option<i64>, mode: Option<Mode>) -> Result<(), ApiError> {
-    if buckets.is_some_and(|b| b != 1) {
-        return Err(ApiError::validation("buckets", "only 1 is supported by this server"));
+    if buckets.is_some() {
+        return Err(ApiError::validation("buckets", "a resource's bucket count is fixed at creation"));
     }
     if mode.is_some_and(|m| m != Mode::Db) {
         return Err(ApiError::validation("mode", "only \"db\" is supported by this server"));
@@ -142,8 +152,9 @@ pub async fn create_resource(
     if !(0..=MAX_TOTAL).contains(&req.total) {
         return Err(ApiError::validation("total", format!("must be between 0 and {MAX_TOTAL}")));
     }
-    only_supported(req.buckets, req.mode)?;
-    let new = NewResource { key: req.key, kind: req.kind, total: req.total };
+    let buckets = bucket_count(req.buckets)?;
+    only_supported(None, req.mode)?;
+    let new = NewResource { key: req.key, kind: req.kind, total: req.total, buckets };
     match state.storage.create_resource(&auth.tenant, &new, now_ms()).await? {
         Some(created) => Ok((StatusCode::CREATED, Json(created)).into_response()),
         None => Err(ApiError::new(

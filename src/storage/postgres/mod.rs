@@ -11,6 +11,7 @@
 //! Correctness across processes comes from the database alone (guarded updates, the
 //! idempotency row claimed first, `SKIP LOCKED`), never from the batcher: it only saves commits.
 
+pub mod buckets;
 pub mod ops;
 
 use std::str::FromStr;
@@ -28,7 +29,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use self::ops::{reservation_from_row, resource_from_row};
-use super::rules::{preview_line, reconcile_rows, RESOURCE_COLUMNS};
+use super::rules::{bucket_rows, fold_all, preview_line, previewed, reconcile_rows, BUCKET_COLUMNS, RESOURCE_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
@@ -208,7 +209,7 @@ impl<T: Send + 'static> Queued for Pending<T> {
             let ran = match &result {
                 Ok(_) => Ran::Kept,
                 Err(StorageError::Unavailable(why)) => Ran::Transient(why.clone()),
-                Err(StorageError::Internal(_)) => Ran::Failed,
+                Err(StorageError::Internal(_) | StorageError::PlanRefused(_)) => Ran::Failed,
             };
             self.result = Some(result);
             ran
@@ -308,6 +309,7 @@ fn duplicate(err: &StorageError) -> StorageError {
     match err {
         StorageError::Unavailable(why) => StorageError::Unavailable(why.clone()),
         StorageError::Internal(why) => StorageError::Internal(why.clone()),
+        StorageError::PlanRefused(why) => StorageError::PlanRefused(why.clone()),
     }
 }
 
@@ -416,6 +418,7 @@ fn ledger_from_row(row: &PgRow) -> Result<LedgerEntry, StorageError> {
     let op: &str = row.try_get("op")?;
     Ok(LedgerEntry {
         seq: row.try_get("seq")?,
+        bucket: row.try_get("bucket")?,
         op: LedgerOp::from_db(op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
         qty: row.try_get("qty")?,
         request_id: row.try_get("request_id")?,
@@ -552,8 +555,14 @@ impl Storage for PgStorage {
     async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError> {
         let sql = format!("SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = $1 AND key = $2");
         let mut conn = acquire(&self.pool).await?;
-        let row = sqlx::query(&sql).bind(tenant.as_str()).bind(key.as_str()).fetch_optional(&mut *conn).await?;
-        row.as_ref().map(resource_from_row).transpose()
+        let mut tx = conn.begin_with(SNAPSHOT).await?;
+        let row = sqlx::query(&sql).bind(tenant.as_str()).bind(key.as_str()).fetch_optional(&mut *tx).await?;
+        let state = match row.as_ref().map(resource_from_row).transpose()? {
+            Some(state) => Some(buckets::complete(&mut tx, tenant.as_str(), state).await?),
+            None => None,
+        };
+        tx.commit().await?;
+        Ok(state)
     }
 
     async fn list_resources(
@@ -582,7 +591,13 @@ impl Storage for PgStorage {
             .bind(i64::from(limit))
             .fetch_all(&mut *conn)
             .await?;
-        rows.iter().map(resource_from_row).collect()
+        let mut states = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let mut state = buckets::complete(&mut conn, tenant.as_str(), resource_from_row(row)?).await?;
+            state.bucket_counts = None;
+            states.push(state);
+        }
+        Ok(states)
     }
 
     async fn set_resource_status(
@@ -644,7 +659,7 @@ impl Storage for PgStorage {
         // Paging by `seq` is gap-free per resource: its ledger rows are written while the
         // resource row is locked, so they commit in `seq` order.
         let rows = sqlx::query(
-            "SELECT seq, op, qty, request_id, order_id, reservation_id, available_after, reserved_after,
+            "SELECT seq, bucket, op, qty, request_id, order_id, reservation_id, available_after, reserved_after,
                     consumed_after, plugin_version, at
              FROM ledger WHERE tenant_id = $1 AND resource_key = $2 AND seq > $3 ORDER BY seq LIMIT $4",
         )
@@ -688,7 +703,8 @@ impl Storage for PgStorage {
             };
             let mut views = Vec::with_capacity(line.targets.len());
             for target in &line.targets {
-                views.push(ops::line_view(&mut tx, tenant.as_str(), target.resource.as_str()).await?);
+                let view = ops::line_view(&mut tx, tenant.as_str(), target.resource.as_str()).await?;
+                views.push(previewed(target, view)?);
             }
             results.push(preview_line(line, used, views));
         }
@@ -736,6 +752,10 @@ impl Storage for PgStorage {
         self.submit(Vec::new(), work(move |conn| Box::pin(ops::expire_due(conn, now_ms, limit)))).await
     }
 
+    async fn rebalance_buckets(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
+        self.submit(Vec::new(), work(move |conn| Box::pin(buckets::rebalance(conn, now_ms, limit)))).await
+    }
+
     async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {
         // One snapshot: resources and ledger come from the same moment, so a commit landing
         // between the queries can never look like drift.
@@ -749,27 +769,36 @@ impl Storage for PgStorage {
         let resources = sqlx::query(&sql).bind(tenant).fetch_all(&mut *tx).await?;
         // SUM over BIGINT is NUMERIC in PostgreSQL; the cast fails (rather than wraps) on overflow.
         let sums = sqlx::query(
-            "SELECT tenant_id, resource_key, op, SUM(qty)::BIGINT AS qty, COUNT(*) AS n FROM ledger
-             WHERE ($1::text IS NULL OR tenant_id = $1::text) GROUP BY tenant_id, resource_key, op",
+            "SELECT tenant_id, resource_key, bucket, op, SUM(qty)::BIGINT AS qty, COUNT(*) AS n FROM ledger
+             WHERE ($1::text IS NULL OR tenant_id = $1::text) GROUP BY tenant_id, resource_key, bucket, op",
         )
         .bind(tenant)
         .fetch_all(&mut *tx)
         .await?;
         let latest = sqlx::query(
-            "SELECT l.tenant_id, l.resource_key, l.available_after, l.reserved_after, l.consumed_after FROM ledger l
+            "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
+             FROM ledger l
              JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE ($1::text IS NULL OR tenant_id = $1::text)
-                   GROUP BY tenant_id, resource_key) m
+                   GROUP BY tenant_id, resource_key, bucket) m
                ON l.seq = m.seq",
         )
         .bind(tenant)
         .fetch_all(&mut *tx)
         .await?;
+        let buckets_read = sqlx::query(&format!(
+            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE ($1::text IS NULL OR tenant_id = $1::text)
+             ORDER BY tenant_id, resource_key, bucket"
+        ))
+        .bind(tenant)
+        .fetch_all(&mut *tx)
+        .await?;
         tx.commit().await?;
 
-        let resources = resources
+        let mut resources = resources
             .iter()
             .map(|row| Ok((row.try_get("tenant_id")?, resource_from_row(row)?)))
             .collect::<Result<Vec<_>, StorageError>>()?;
+        fold_all(&mut resources, bucket_rows(&buckets_read)?, true);
         reconcile_rows(resources, &sums, &latest)
     }
 
