@@ -2,6 +2,7 @@
 //! Everything here is pure (no I/O, time passed in), so every storage backend applies exactly
 //! the same rules and the rules are unit-tested without a database.
 
+pub mod admission;
 pub mod order;
 pub mod plan;
 pub mod resource;

@@ -372,7 +372,7 @@ impl Storage for SqliteStorage {
     }
 
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
-        self.writer()?.submit(move |conn| ops::execute_order(conn, &job, now_ms)).await
+        self.writer()?.submit_order(job, now_ms).await
     }
 
     async fn preview_order(
