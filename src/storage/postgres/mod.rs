@@ -11,6 +11,7 @@
 //! Correctness across processes comes from the database alone (guarded updates, the
 //! idempotency row claimed first, `SKIP LOCKED`), never from the batcher: it only saves commits.
 
+mod admit;
 pub mod buckets;
 pub mod ops;
 
@@ -188,6 +189,51 @@ trait Queued: Send {
     fn run<'a>(&'a mut self, conn: &'a mut PgConnection) -> BoxFuture<'a, Ran>;
     /// Answers the caller once the batch's fate is known: `Ok` after a commit.
     fn answer(self: Box<Self>, batch: Result<(), StorageError>);
+    /// An order the batch may decide by admission together with its other orders.
+    fn as_order(&mut self) -> Option<&mut PendingOrder> {
+        None
+    }
+}
+
+/// A queued order. In each run of its batch it is either decided by admission with the batch's
+/// other orders (`admitted`) or on its own in its savepoint, like any job.
+struct PendingOrder {
+    job: std::sync::Arc<OrderJob>,
+    now_ms: i64,
+    admitted: bool,
+    result: Option<Result<OrderExecution, StorageError>>,
+    reply: oneshot::Sender<Result<OrderExecution, StorageError>>,
+}
+
+impl Queued for PendingOrder {
+    fn locks(&self) -> &[(String, String)] {
+        &[]
+    }
+
+    fn run<'a>(&'a mut self, conn: &'a mut PgConnection) -> BoxFuture<'a, Ran> {
+        Box::pin(async move {
+            let result = ops::execute_order(conn, &self.job, self.now_ms).await;
+            let ran = match &result {
+                Ok(_) => Ran::Kept,
+                Err(StorageError::Unavailable(why)) => Ran::Transient(why.clone()),
+                Err(StorageError::Internal(_) | StorageError::PlanRefused(_)) => Ran::Failed,
+            };
+            self.result = Some(result);
+            ran
+        })
+    }
+
+    fn answer(self: Box<Self>, batch: Result<(), StorageError>) {
+        let reply = match batch {
+            Ok(()) => self.result.unwrap_or_else(|| Err(StorageError::Internal("a committed order never ran".into()))),
+            Err(err) => Err(err),
+        };
+        let _ = self.reply.send(reply);
+    }
+
+    fn as_order(&mut self) -> Option<&mut PendingOrder> {
+        Some(self)
+    }
 }
 
 struct Pending<T> {
@@ -351,8 +397,16 @@ async fn attempt(
     // sqlx's transaction guards roll back whatever is left open if this returns early (or is
     // dropped), before the connection can serve anyone else.
     let mut tx = conn.begin().await.map_err(BatchFailure::of)?;
-    lock_declared_rows(&mut tx, rows).await.map_err(BatchFailure::of)?;
+    let locked = lock_declared_rows(&mut tx, rows).await.map_err(BatchFailure::of)?;
+    if let Err(why) = admit_orders(&mut tx, batch, &locked).await {
+        // Best effort: if the connection is gone, the server has rolled back already.
+        let _ = tx.rollback().await;
+        return Err(why);
+    }
     for job in batch.iter_mut() {
+        if job.as_order().is_some_and(|o| o.admitted) {
+            continue;
+        }
         let mut savepoint = Connection::begin(&mut *tx).await.map_err(BatchFailure::of)?;
         match job.run(&mut savepoint).await {
             Ran::Kept => savepoint.commit().await.map_err(BatchFailure::of)?,
@@ -375,26 +429,74 @@ async fn attempt(
     })
 }
 
-/// The resource rows a batch's jobs declared (see [`LockSet`]), as the two parallel arrays
-/// [`lock_declared_rows`] binds; computed once per batch, not per attempt.
-fn declared_rows(batch: &[Box<dyn Queued>]) -> (Vec<String>, Vec<String>) {
-    let mut rows: Vec<&(String, String)> = batch.iter().flat_map(|job| job.locks()).collect();
-    rows.sort_unstable();
-    rows.dedup();
-    rows.into_iter().cloned().unzip()
+/// Decides the batch's orders together in one savepoint (see [`admit::execute_orders_fast`]),
+/// marking those it decided; the rest run on their own. A failure that is not transient rolls
+/// the savepoint back and leaves every order to its own run.
+async fn admit_orders(
+    tx: &mut PgConnection,
+    batch: &mut [Box<dyn Queued>],
+    locked: &[PgRow],
+) -> Result<(), BatchFailure> {
+    let mut orders: Vec<&mut PendingOrder> = batch.iter_mut().filter_map(|job| job.as_order()).collect();
+    for order in orders.iter_mut() {
+        order.admitted = false;
+    }
+    if orders.len() < 2 {
+        return Ok(());
+    }
+    let rows = admit::locked_rows(locked).map_err(BatchFailure::Final)?;
+    let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&*o.job, o.now_ms)).collect();
+    let mut savepoint = Connection::begin(&mut *tx).await.map_err(BatchFailure::of)?;
+    match admit::execute_orders_fast(&mut savepoint, &jobs, rows).await {
+        Ok(outcomes) => {
+            savepoint.commit().await.map_err(BatchFailure::of)?;
+            for (order, outcome) in orders.into_iter().zip(outcomes) {
+                if let Some(execution) = outcome {
+                    metrics::counter!("stockd_orders_admitted_in_batch_total").increment(1);
+                    order.result = Some(Ok(execution));
+                    order.admitted = true;
+                }
+            }
+            Ok(())
+        }
+        Err(StorageError::Unavailable(why)) => Err(BatchFailure::Retry(why)),
+        Err(err) => {
+            tracing::warn!(error = %err, "batch admission failed; deciding its orders one by one");
+            savepoint.rollback().await.map_err(BatchFailure::of)
+        }
+    }
 }
 
-/// Locks the declared resource rows in one global order. Rows that do not exist are simply not
-/// locked; the jobs judge them as usual.
-async fn lock_declared_rows(conn: &mut PgConnection, rows: &(Vec<String>, Vec<String>)) -> Result<(), sqlx::Error> {
+/// The resource rows a batch's jobs declared (see [`LockSet`]), as the two parallel arrays
+/// [`lock_declared_rows`] binds; computed once per batch, not per attempt.
+fn declared_rows(batch: &mut [Box<dyn Queued>]) -> (Vec<String>, Vec<String>) {
+    let mut rows: Vec<(String, String)> = batch.iter().flat_map(|job| job.locks()).cloned().collect();
+    for job in batch.iter_mut() {
+        if let Some(order) = job.as_order() {
+            let tenant = order.job.tenant.to_string();
+            rows.extend(order.job.plan.resources().map(|key| (tenant.clone(), key.to_string())));
+        }
+    }
+    rows.sort_unstable();
+    rows.dedup();
+    rows.into_iter().unzip()
+}
+
+/// Locks the declared resource rows in one global order and returns them as they are now (for
+/// batch admission). Rows that do not exist are simply not locked; the jobs judge them as usual.
+async fn lock_declared_rows(
+    conn: &mut PgConnection,
+    rows: &(Vec<String>, Vec<String>),
+) -> Result<Vec<PgRow>, sqlx::Error> {
     let (tenants, keys) = rows;
     if tenants.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     // In a locking SELECT the sort runs first and rows are locked as they leave it, so the
     // locks are taken in this order.
     sqlx::query(
-        "SELECT 1 FROM resources r
+        "SELECT r.tenant_id, r.key, r.kind, r.status, r.buckets, r.available, r.reserved, r.consumed, r.version
+         FROM resources r
          JOIN UNNEST($1::text[], $2::text[]) AS wanted (tenant_id, key)
            ON r.tenant_id = wanted.tenant_id AND r.key = wanted.key
          ORDER BY r.tenant_id COLLATE \"C\", r.key COLLATE \"C\"
@@ -402,9 +504,8 @@ async fn lock_declared_rows(conn: &mut PgConnection, rows: &(Vec<String>, Vec<St
     )
     .bind(tenants)
     .bind(keys)
-    .execute(conn)
-    .await?;
-    Ok(())
+    .fetch_all(conn)
+    .await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -674,17 +775,11 @@ impl Storage for PgStorage {
     }
 
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
-        // Shared rather than cloned per run: an order can carry a hundred lines.
-        let locks = job.plan.resources().map(|resource| (job.tenant.to_string(), resource.to_string())).collect();
-        let job = std::sync::Arc::new(job);
-        self.submit(
-            locks,
-            work(move |conn| {
-                let job = job.clone();
-                Box::pin(async move { ops::execute_order(conn, &job, now_ms).await })
-            }),
-        )
-        .await
+        // Its resource rows are declared by the order itself (see `declared_rows`).
+        let (reply, rx) = oneshot::channel();
+        let order = PendingOrder { job: std::sync::Arc::new(job), now_ms, admitted: false, result: None, reply };
+        self.queue()?.send(Box::new(order)).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
+        rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }
 
     async fn preview_order(
