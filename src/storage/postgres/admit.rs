@@ -164,10 +164,7 @@ pub async fn execute_orders_fast(
             outcome: Some((admitted.status, admitted.results)),
         });
     }
-    write_rows(conn, &rows, &read_at, last_ms).await?;
-    write_ledger(conn, &ledger).await?;
-    write_reservations(conn, &reservations).await?;
-    write_responses(conn, &responses).await?;
+    write(conn, &changed_rows(&rows, &read_at), &ledger, &reservations, &responses, last_ms).await?;
     Ok(out)
 }
 
@@ -202,71 +199,89 @@ async fn claim(
     rows.iter().map(|r| Ok((r.try_get("tenant_id")?, r.try_get("key")?))).collect()
 }
 
-/// Writes each changed row once, guarded by the version it was read at.
-async fn write_rows(
-    conn: &mut PgConnection,
-    rows: &LockedRows,
-    read_at: &HashMap<(String, String), i64>,
-    now_ms: i64,
-) -> Result<(), StorageError> {
-    let (mut tenant, mut key, mut available, mut reserved, mut consumed, mut version, mut was) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+/// The rows admission changed, as the column arrays of their guarded UPDATE.
+#[derive(Default)]
+struct Changed {
+    tenant: Vec<String>,
+    key: Vec<String>,
+    available: Vec<i64>,
+    reserved: Vec<i64>,
+    consumed: Vec<i64>,
+    version: Vec<i64>,
+    /// The version each was read at: the guard.
+    was: Vec<i64>,
+}
+
+fn changed_rows(rows: &LockedRows, read_at: &HashMap<(String, String), i64>) -> Changed {
+    let mut c = Changed::default();
     for (t, keys) in rows {
         for (k, row) in keys {
             let Some(&read) = read_at.get(&(t.clone(), k.clone())) else { continue };
             if row.version == read {
                 continue;
             }
-            tenant.push(t.clone());
-            key.push(k.clone());
-            available.push(row.available);
-            reserved.push(row.reserved);
-            consumed.push(row.consumed);
-            version.push(row.version);
-            was.push(read);
+            c.tenant.push(t.clone());
+            c.key.push(k.clone());
+            c.available.push(row.available);
+            c.reserved.push(row.reserved);
+            c.consumed.push(row.consumed);
+            c.version.push(row.version);
+            c.was.push(read);
         }
     }
-    if tenant.is_empty() {
-        return Ok(());
-    }
-    let written = sqlx::query(
-        "UPDATE resources r SET available = u.available, reserved = u.reserved, consumed = u.consumed,
-                version = u.version, updated_at = $8
-         FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[])
-              AS u (tenant_id, key, available, reserved, consumed, version, was)
-         WHERE r.tenant_id = u.tenant_id AND r.key = u.key AND r.version = u.was",
-    )
-    .bind(&tenant)
-    .bind(&key)
-    .bind(&available)
-    .bind(&reserved)
-    .bind(&consumed)
-    .bind(&version)
-    .bind(&was)
-    .bind(now_ms)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
-    if written != tenant.len() as u64 {
-        // The rows are locked by this transaction: another writer cannot have moved them.
-        return Err(StorageError::Internal("a locked resource row changed under its batch".into()));
-    }
-    Ok(())
+    c
 }
 
-async fn write_ledger(conn: &mut PgConnection, l: &Ledger) -> Result<(), StorageError> {
-    if l.tenant.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
-                             available_after, reserved_after, consumed_after, version_after, plugin_version, at)
-         SELECT t, k, 0, o, q, rq, oi, ri, a, r, c, v, pv, at
-         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::text[], $7::text[],
-                     $8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bigint[], $13::bigint[])
-              WITH ORDINALITY AS u (t, k, o, q, rq, oi, ri, a, r, c, v, pv, at, n)
-         ORDER BY n",
+/// Every write of the batch's admitted orders in one statement (one round trip): the changed
+/// rows (guarded by the version read), the ledger rows in order, the reservations, the stored
+/// responses. Data-modifying CTEs all run to completion; the counts prove the guards held.
+async fn write(
+    conn: &mut PgConnection,
+    c: &Changed,
+    l: &Ledger,
+    r: &Reservations,
+    i: &Responses,
+    now_ms: i64,
+) -> Result<(), StorageError> {
+    let counts = sqlx::query(
+        "WITH written AS (
+            UPDATE resources r SET available = u.available, reserved = u.reserved, consumed = u.consumed,
+                   version = u.version, updated_at = $8
+            FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[])
+                 AS u (tenant_id, key, available, reserved, consumed, version, was)
+            WHERE r.tenant_id = u.tenant_id AND r.key = u.key AND r.version = u.was
+            RETURNING 1),
+         ledgered AS (
+            INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+                                available_after, reserved_after, consumed_after, version_after, plugin_version, at)
+            SELECT t, k, 0, o, q, rq, oi, ri, a, rs, cs, v, pv, at
+            FROM UNNEST($9::text[], $10::text[], $11::text[], $12::bigint[], $13::text[], $14::text[], $15::text[],
+                        $16::bigint[], $17::bigint[], $18::bigint[], $19::bigint[], $20::bigint[], $21::bigint[])
+                 WITH ORDINALITY AS u (t, k, o, q, rq, oi, ri, a, rs, cs, v, pv, at, n)
+            ORDER BY n
+            RETURNING 1),
+         held AS (
+            INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
+            SELECT t, id, o, 'held', ls, e, cr, cr
+            FROM UNNEST($22::text[], $23::text[], $24::text[], $25::text[], $26::bigint[], $27::bigint[])
+                 AS u (t, id, o, ls, e, cr)
+            RETURNING 1),
+         answered AS (
+            UPDATE idempotency i SET response_code = u.code, response_type = u.kind, response_body = u.body
+            FROM UNNEST($28::text[], $29::text[], $30::int[], $31::text[], $32::text[]) AS u (tenant_id, key, code, kind, body)
+            WHERE i.tenant_id = u.tenant_id AND i.key = u.key
+            RETURNING 1)
+         SELECT (SELECT COUNT(*) FROM written) AS written, (SELECT COUNT(*) FROM ledgered) AS ledgered,
+                (SELECT COUNT(*) FROM held) AS held, (SELECT COUNT(*) FROM answered) AS answered",
     )
+    .bind(&c.tenant)
+    .bind(&c.key)
+    .bind(&c.available)
+    .bind(&c.reserved)
+    .bind(&c.consumed)
+    .bind(&c.version)
+    .bind(&c.was)
+    .bind(now_ms)
     .bind(&l.tenant)
     .bind(&l.key)
     .bind(&l.op)
@@ -280,50 +295,35 @@ async fn write_ledger(conn: &mut PgConnection, l: &Ledger) -> Result<(), Storage
     .bind(&l.version)
     .bind(&l.plugin_version)
     .bind(&l.at)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
-}
-
-async fn write_reservations(conn: &mut PgConnection, r: &Reservations) -> Result<(), StorageError> {
-    if r.tenant.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
-         SELECT t, i, o, 'held', l, e, c, c
-         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::bigint[]) AS u (t, i, o, l, e, c)",
-    )
     .bind(&r.tenant)
     .bind(&r.id)
     .bind(&r.order_id)
     .bind(&r.lines)
     .bind(&r.expires_at)
     .bind(&r.created_at)
-    .execute(&mut *conn)
+    .bind(&i.tenant)
+    .bind(&i.key)
+    .bind(&i.code)
+    .bind(&i.kind)
+    .bind(&i.body)
+    .fetch_one(&mut *conn)
     .await?;
-    Ok(())
-}
-
-async fn write_responses(conn: &mut PgConnection, r: &Responses) -> Result<(), StorageError> {
-    if r.tenant.is_empty() {
-        return Ok(());
-    }
-    let updated = sqlx::query(
-        "UPDATE idempotency i SET response_code = u.code, response_type = u.kind, response_body = u.body
-         FROM UNNEST($1::text[], $2::text[], $3::int[], $4::text[], $5::text[]) AS u (tenant_id, key, code, kind, body)
-         WHERE i.tenant_id = u.tenant_id AND i.key = u.key",
-    )
-    .bind(&r.tenant)
-    .bind(&r.key)
-    .bind(&r.code)
-    .bind(&r.kind)
-    .bind(&r.body)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
-    if updated != r.tenant.len() as u64 {
-        return Err(StorageError::Internal("an idempotency key of the batch was not claimed".into()));
+    let count = |name: &str| -> Result<u64, StorageError> { Ok(counts.try_get::<i64, _>(name)?.max(0) as u64) };
+    let expected = [
+        ("written", c.tenant.len()),
+        ("ledgered", l.tenant.len()),
+        ("held", r.tenant.len()),
+        ("answered", i.tenant.len()),
+    ];
+    for (name, want) in expected {
+        if count(name)? != want as u64 {
+            // The rows are locked and the keys claimed by this transaction: nothing else can
+            // have moved them. A mismatch is a bug; the batch is decided again order by order.
+            return Err(StorageError::Internal(format!(
+                "batch admission wrote {name} {} times, not {want}",
+                count(name)?
+            )));
+        }
     }
     Ok(())
 }

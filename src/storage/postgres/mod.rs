@@ -276,6 +276,9 @@ impl<T: Send + 'static> Queued for Pending<T> {
 enum BatchFailure {
     /// Certainly not committed, for a passing reason: run it again.
     Retry(String),
+    /// Batch admission failed for a reason that is not passing (a bug): run the batch again
+    /// at once with every order decided on its own.
+    WithoutAdmission(String),
     /// Give up now (no connection within the timeout, a commit whose outcome is unknown, or a
     /// failure that is not transient).
     Final(StorageError),
@@ -325,9 +328,15 @@ async fn fill(rx: &mut mpsc::Receiver<Box<dyn Queued>>, batch: &mut Vec<Box<dyn 
 async fn commit_batch(pool: &PgPool, batch: &mut Vec<Box<dyn Queued>>, max_retries: u32) {
     let rows = declared_rows(batch);
     let mut attempt = 0;
+    let mut admission = true;
     let outcome = loop {
-        match run_batch(pool, batch, &rows).await {
+        match run_batch(pool, batch, &rows, admission).await {
             Ok(()) => break Ok(()),
+            Err(BatchFailure::WithoutAdmission(why)) if admission => {
+                tracing::error!(reason = %why, "batch admission failed; deciding the batch's orders one by one");
+                admission = false;
+            }
+            Err(BatchFailure::WithoutAdmission(why)) => break Err(StorageError::Internal(why)),
             Err(BatchFailure::Retry(why)) if attempt < max_retries => {
                 tracing::debug!(attempt, reason = %why, "batch failed for a passing reason; running it again");
                 metrics::counter!("stockd_batch_retries_total").increment(1);
@@ -371,11 +380,12 @@ async fn run_batch(
     pool: &PgPool,
     batch: &mut [Box<dyn Queued>],
     rows: &(Vec<String>, Vec<String>),
+    admission: bool,
 ) -> Result<(), BatchFailure> {
     // No retry when no connection comes within `acquire_timeout`: the pool has already waited
     // (and retried connecting) that long, and callers should hear `Unavailable` promptly.
     let mut conn = acquire(pool).await.map_err(BatchFailure::Final)?;
-    match tokio::time::timeout(ATTEMPT_DEADLINE, attempt(&mut conn, batch, rows)).await {
+    match tokio::time::timeout(ATTEMPT_DEADLINE, attempt(&mut conn, batch, rows, admission)).await {
         Ok(result) => result,
         Err(_) => {
             // The connection stopped answering mid-statement. It must never serve anyone else,
@@ -393,12 +403,13 @@ async fn attempt(
     conn: &mut PgConnection,
     batch: &mut [Box<dyn Queued>],
     rows: &(Vec<String>, Vec<String>),
+    admission: bool,
 ) -> Result<(), BatchFailure> {
     // sqlx's transaction guards roll back whatever is left open if this returns early (or is
     // dropped), before the connection can serve anyone else.
     let mut tx = conn.begin().await.map_err(BatchFailure::of)?;
     let locked = lock_declared_rows(&mut tx, rows).await.map_err(BatchFailure::of)?;
-    if let Err(why) = admit_orders(&mut tx, batch, &locked).await {
+    if let Err(why) = admit_orders(&mut tx, batch, &locked, admission).await {
         // Best effort: if the connection is gone, the server has rolled back already.
         let _ = tx.rollback().await;
         return Err(why);
@@ -429,27 +440,27 @@ async fn attempt(
     })
 }
 
-/// Decides the batch's orders together in one savepoint (see [`admit::execute_orders_fast`]),
-/// marking those it decided; the rest run on their own. A failure that is not transient rolls
-/// the savepoint back and leaves every order to its own run.
+/// Decides the batch's orders together (see [`admit::execute_orders_fast`]), marking those it
+/// decided; the rest run on their own. It runs first in the transaction, so a failure of it
+/// needs no savepoint: the batch is run again, without admission if the failure was not
+/// passing.
 async fn admit_orders(
     tx: &mut PgConnection,
     batch: &mut [Box<dyn Queued>],
     locked: &[PgRow],
+    admission: bool,
 ) -> Result<(), BatchFailure> {
     let mut orders: Vec<&mut PendingOrder> = batch.iter_mut().filter_map(|job| job.as_order()).collect();
     for order in orders.iter_mut() {
         order.admitted = false;
     }
-    if orders.len() < 2 {
+    if !admission || orders.len() < 2 {
         return Ok(());
     }
-    let rows = admit::locked_rows(locked).map_err(BatchFailure::Final)?;
+    let rows = admit::locked_rows(locked).map_err(|e| BatchFailure::WithoutAdmission(e.to_string()))?;
     let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&*o.job, o.now_ms)).collect();
-    let mut savepoint = Connection::begin(&mut *tx).await.map_err(BatchFailure::of)?;
-    match admit::execute_orders_fast(&mut savepoint, &jobs, rows).await {
+    match admit::execute_orders_fast(tx, &jobs, rows).await {
         Ok(outcomes) => {
-            savepoint.commit().await.map_err(BatchFailure::of)?;
             for (order, outcome) in orders.into_iter().zip(outcomes) {
                 if let Some(execution) = outcome {
                     metrics::counter!("stockd_orders_admitted_in_batch_total").increment(1);
@@ -460,10 +471,7 @@ async fn admit_orders(
             Ok(())
         }
         Err(StorageError::Unavailable(why)) => Err(BatchFailure::Retry(why)),
-        Err(err) => {
-            tracing::warn!(error = %err, "batch admission failed; deciding its orders one by one");
-            savepoint.rollback().await.map_err(BatchFailure::of)
-        }
+        Err(err) => Err(BatchFailure::WithoutAdmission(err.to_string())),
     }
 }
 
