@@ -915,3 +915,11 @@ impl TenantClient {
         parse_raw_response(&raw)
     }
 }
+
+impl TestApp {
+    /// The database URL this test's server runs on, for the rare test that must tamper with
+    /// storage behind the server's back (e.g. to prove reconciliation notices it).
+    pub fn database_url(&self) -> &str {
+        &self.database_url
+    }
+}
