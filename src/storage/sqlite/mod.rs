@@ -42,6 +42,41 @@ pub struct SqliteStorage {
     read: SqlitePool,
     writer: Mutex<Option<Writer>>,
     writer_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    checkpointer: Mutex<Option<Checkpointer>>,
+}
+
+/// Moves committed WAL frames into the database file on a thread of its own, so the writer
+/// never pays for a checkpoint inside a batch (it was ~7% of the writer's time under load).
+struct Checkpointer {
+    stop: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+/// How often the checkpointer runs; the WAL grows by at most what the writer commits meanwhile.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
+
+impl Checkpointer {
+    fn start(path: &Path, settings: &SqliteSettings) -> Result<Self, StorageError> {
+        let conn = rusqlite::Connection::open(path)?;
+        conn.busy_timeout(settings.busy_timeout)?;
+        conn.pragma_update(None, "synchronous", if settings.synchronous_full { "FULL" } else { "NORMAL" })?;
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("stockd-checkpoint".into())
+            .spawn(move || loop {
+                let last =
+                    !matches!(stopped.recv_timeout(CHECKPOINT_EVERY), Err(std::sync::mpsc::RecvTimeoutError::Timeout));
+                // PASSIVE: copies what no reader still needs, never waits for the writer.
+                if let Err(err) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                    tracing::warn!(error = %err, "WAL checkpoint failed; will retry");
+                }
+                if last {
+                    return;
+                }
+            })
+            .map_err(|e| StorageError::Internal(format!("cannot start the checkpoint thread: {e}")))?;
+        Ok(Self { stop, thread })
+    }
 }
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
@@ -74,9 +109,15 @@ impl SqliteStorage {
             .await?;
         MIGRATOR.run(&read).await.map_err(|e| StorageError::Internal(format!("migration failed: {e}")))?;
         let write_conn = open_writer(opts.get_filename(), settings)?;
+        let checkpointer = Checkpointer::start(opts.get_filename(), settings)?;
         let (writer, thread) = Writer::start(write_conn, settings.writer)
             .map_err(|e| StorageError::Internal(format!("cannot start the writer thread: {e}")))?;
-        Ok(Self { read, writer: Mutex::new(Some(writer)), writer_thread: Mutex::new(Some(thread)) })
+        Ok(Self {
+            read,
+            writer: Mutex::new(Some(writer)),
+            writer_thread: Mutex::new(Some(thread)),
+            checkpointer: Mutex::new(Some(checkpointer)),
+        })
     }
 
     /// Applies migrations and returns, for `stockd migrate`.
@@ -103,6 +144,11 @@ fn open_writer(path: &Path, settings: &SqliteSettings) -> Result<rusqlite::Conne
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", if settings.synchronous_full { "FULL" } else { "NORMAL" })?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
+    // Savepoint sub-journals in memory: spilled to a temporary file they cost a write system
+    // call per page a batch touches (~15% of the writer's time under load).
+    conn.pragma_update(None, "temp_store", "MEMORY")?;
+    // Checkpoints run on their own thread (see `Checkpointer`), not inside a batch.
+    conn.pragma_update(None, "wal_autocheckpoint", 0)?;
     // Room for every statement the writer prepares, so none is ever re-prepared.
     conn.set_prepared_statement_cache_capacity(64);
     Ok(conn)
@@ -554,6 +600,12 @@ impl Storage for SqliteStorage {
         }
         let thread = self.writer_thread.lock().ok().and_then(|mut t| t.take());
         if let Some(thread) = thread {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+        // After the writer's last commit: one more checkpoint, then the thread ends.
+        let checkpointer = self.checkpointer.lock().ok().and_then(|mut c| c.take());
+        if let Some(Checkpointer { stop, thread }) = checkpointer {
+            drop(stop);
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
         self.read.close().await;
