@@ -12,6 +12,7 @@
 //! idempotency row claimed first, `SKIP LOCKED`), never from the batcher: it only saves commits.
 
 pub mod ops;
+pub mod settle;
 
 use std::str::FromStr;
 use std::sync::Mutex;

@@ -2,6 +2,7 @@
 //! ([`writer`], [`ops`]); reads use a pool of read connections that WAL lets run beside it.
 
 pub mod ops;
+pub mod settle;
 pub mod writer;
 
 use std::path::Path;
