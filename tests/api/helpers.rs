@@ -308,6 +308,11 @@ impl TestApp {
         self.start().await;
     }
 
+    /// The database this app (and its siblings) uses, for tests that reach past the API.
+    pub fn database_url(&self) -> &str {
+        &self.database_url
+    }
+
     pub async fn admin_get(&self, path: &str) -> Reply {
         send(self.client.get(self.url(path)).bearer_auth(&self.admin_token)).await
     }
