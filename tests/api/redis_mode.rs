@@ -10,10 +10,12 @@ use futures::future::join_all;
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
 
-use crate::helpers::{assert_counts, assert_problem, entries_with_op, plugin_wasm, spawn_app, unique, Backend, Reply};
+use crate::helpers::{
+    assert_counts, assert_problem, entries_with_op, plugin_wasm, spawn_app, unique, Backend, Reply, TestApp,
+};
 use crate::redis_support::{
     create_redis_resource, deduct_one, order_through_503, reconciliation, redis_app, redis_conn, redis_entry,
-    shared_redis_url, stream_key, wait_settled, RedisServer,
+    shared_redis_url, stream_key, wait_settled, RedisCluster, RedisServer, SentinelSetup,
 };
 
 /// The line reason of a rejected one-line order.
@@ -43,6 +45,20 @@ fn assert_in_line(report: &Value, key: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_buyers_race_for_fifty_pieces_in_redis_mode() {
     let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
+    race_for_fifty_pieces(&app).await;
+}
+
+/// The same race on a three-master Redis Cluster (`redis-server --cluster-enabled yes`): each
+/// script's keys share the resource's hash tag, so every script runs on one node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_buyers_race_on_a_redis_cluster() {
+    let cluster = RedisCluster::start().await;
+    let (app, _prefix) = redis_app("", &cluster.toml()).await;
+    race_for_fifty_pieces(&app).await;
+    drop(cluster);
+}
+
+async fn race_for_fifty_pieces(app: &TestApp) {
     let shop = app.create_tenant("shop").await;
     shop.put_plugin_config(plugin_wasm("flash-sale"), "buckets=1").await.expect_json(201);
     create_redis_resource(&shop, "sku-hot", 50).await;
@@ -425,4 +441,66 @@ async fn after_sold_out_further_orders_cost_no_redis_command() {
     let report = wait_settled(&shop, "sku-1", 7).await;
     assert_in_line(&report, "sku-1");
     drop(sibling);
+}
+
+/// A Redis Sentinel failover mid-sale (master, one replica, three Sentinels on loopback): the
+/// replica stops receiving (its replication link is cut) while 20 more pieces sell and settle,
+/// then the master is killed. stockd follows the promoted replica through the Sentinels; the 20
+/// writes the replica never received show as drift, then, as Redis sells them again, as 20
+/// settlement failures; the database never oversells; a warm brings the two back in line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_mid_sale_surfaces_lost_writes_and_never_oversells() {
+    let mut setup = SentinelSetup::start().await;
+    let (app, _prefix) = redis_app("", &setup.toml()).await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 100).await;
+
+    let sell = |prefix: &'static str, n: usize| {
+        let shop = shop.clone();
+        async move {
+            let mut statuses = Vec::new();
+            for i in 0..n {
+                let key = format!("{prefix}{i}");
+                statuses.push(order_through_503(&shop, &key, &deduct_one(&key, "sku-1", 1, None)).await);
+            }
+            statuses
+        }
+    };
+    assert!(sell("a", 30).await.iter().all(|r| r.status() == 201));
+    wait_settled(&shop, "sku-1", 30).await;
+    setup.link.cut();
+    assert!(sell("b", 20).await.iter().all(|r| r.status() == 201));
+    wait_settled(&shop, "sku-1", 50).await;
+
+    setup.master.kill9().await;
+    setup.wait_for_master(setup.replica.port).await;
+    let probe = order_through_503(&shop, "probe", &deduct_one("probe", "sku-1", 1_000, None)).await;
+    assert_eq!(reason(&probe), "insufficient", "stockd sells through the promoted replica");
+    let report = reconciliation(&shop).await;
+    assert_eq!(report["redis_reachable"], true, "{report}");
+    assert_eq!(redis_entry(&report, "sku-1")["drift"], 20, "the replica missed 20 settled sales: {report}");
+
+    let late = sell("c", 100).await;
+    assert_eq!(late.iter().filter(|r| r.status() == 201).count(), 70, "Redis sells what the replica holds");
+    assert!(late
+        .iter()
+        .filter(|r| r.status() != 201)
+        .all(|r| ["sold_out", "insufficient"].contains(&reason(r).as_str())));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let report = loop {
+        let report = reconciliation(&shop).await;
+        if report["settlement_failures"].as_array().map(Vec::len) == Some(20)
+            && redis_entry(&report, "sku-1")["backlog"] == 0
+        {
+            break report;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "20 sales refused: {report}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(report["drift"], json!([]), "{report}");
+    assert_counts(&shop.state("sku-1").await, 0, 0, 100, 100);
+    shop.assert_ledger_replays_to_state("sku-1").await;
+
+    let warmed = shop.post("/v1/resources/sku-1/warm", &json!({})).await.expect_json(200);
+    assert_eq!(warmed["drift"], 0, "{warmed}");
 }
