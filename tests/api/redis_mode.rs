@@ -251,6 +251,7 @@ async fn redis_losing_data_mid_sale_shows_as_failures_and_drift_until_a_warm() {
     let mut redis = RedisServer::start().await;
     let (app, _prefix) = redis_app(&redis.url(), "").await;
     let shop = app.create_tenant("shop").await;
+    let other = app.create_tenant("other").await;
     create_redis_resource(&shop, "sku-1", 100).await;
 
     let sell = |prefix: &'static str, n: usize| {
@@ -297,6 +298,9 @@ async fn redis_losing_data_mid_sale_shows_as_failures_and_drift_until_a_warm() {
     assert_eq!(redis_entry(&report, "sku-1")["drift"], 20, "{report}");
     assert_counts(&shop.state("sku-1").await, 0, 0, 100, 100);
     shop.assert_ledger_replays_to_state("sku-1").await;
+    // Another tenant sees none of it.
+    let theirs = reconciliation(&other).await;
+    assert_eq!((&theirs["redis"], &theirs["settlement_failures"]), (&json!([]), &json!([])), "{theirs}");
 
     // A sale Redis forgot (sold after the snapshot) replays from the database: nothing twice.
     let (b0, b0_reply) = &after_snapshot[0];
