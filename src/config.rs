@@ -161,6 +161,10 @@ pub struct RedisConfig {
     pub claim_idle_ms: u64,
     /// How long a warm or a switch out of redis mode waits for the backlog to settle.
     pub drain_timeout_ms: u64,
+    /// Read the database's idempotency record before each redis-mode sale, so a replay after
+    /// Redis lost its data (or of a key used on the database path) is answered from there. Off:
+    /// one database read less per sale; replays then rely on Redis alone.
+    pub replay_from_database: bool,
 }
 
 impl Default for RedisConfig {
@@ -176,6 +180,7 @@ impl Default for RedisConfig {
             settle_poll_ms: 5,
             claim_idle_ms: 5_000,
             drain_timeout_ms: 10_000,
+            replay_from_database: true,
         }
     }
 }

@@ -14,5 +14,14 @@ CREATE TABLE settlement_failures (
     PRIMARY KEY (tenant_id, resource_key, request_id)
 );
 CREATE INDEX settlement_failures_by_time ON settlement_failures (tenant_id, at);
+-- Every Redis sale settled (applied or refused), by its request id: a redelivered stream entry
+-- is recognised by one probe of this primary key, claimed before anything else is written.
+CREATE TABLE redis_settled (
+    tenant_id     TEXT NOT NULL,
+    resource_key  TEXT NOT NULL,
+    request_id    TEXT NOT NULL,
+    at            BIGINT NOT NULL,
+    PRIMARY KEY (tenant_id, resource_key, request_id)
+);
 -- The settlement consumers list the redis-mode resources every second.
 CREATE INDEX resources_by_mode ON resources (mode) WHERE mode = 'redis';

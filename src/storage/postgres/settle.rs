@@ -2,8 +2,7 @@
 //! the group-commit batcher like any other: it declares the resource row it updates, so batches
 //! of several processes lock rows in one order, and it may run again if its batch is retried.
 //! A record delivered to two consumers (one presumed dead, its entry reclaimed) is applied once:
-//! the ledger's unique identity refuses the second, which then finds the first and says
-//! `Duplicate`.
+//! each claims the record's request id in `redis_settled` first, and the second finds it taken.
 
 use async_trait::async_trait;
 use sqlx::{PgConnection, Row};
@@ -28,18 +27,20 @@ const SETTLE_SQL: &str = "WITH changed AS (
      RETURNING seq";
 
 async fn settle_on(conn: &mut PgConnection, r: &SettleRecord, now_ms: i64) -> Result<Settled, StorageError> {
-    let seen: Option<i32> = sqlx::query_scalar(
-        "SELECT 1 FROM ledger WHERE tenant_id = $1 AND resource_key = $2 AND bucket = 0 AND request_id = $3 AND op = 'deduct'
-         UNION ALL
-         SELECT 1 FROM settlement_failures WHERE tenant_id = $1 AND resource_key = $2 AND request_id = $3
-         LIMIT 1",
+    // Claimed first: a second consumer settling the same entry waits here for the first one's
+    // transaction, then finds the row and does nothing.
+    let claimed = sqlx::query(
+        "INSERT INTO redis_settled (tenant_id, resource_key, request_id, at) VALUES ($1, $2, $3, $4)
+         ON CONFLICT DO NOTHING",
     )
     .bind(&r.t)
     .bind(&r.k)
     .bind(&r.rid)
-    .fetch_optional(&mut *conn)
-    .await?;
-    if seen.is_some() {
+    .bind(now_ms)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    if claimed == 0 {
         return Ok(Settled::Duplicate);
     }
     let applied = sqlx::query(SETTLE_SQL)

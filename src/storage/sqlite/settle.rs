@@ -26,20 +26,13 @@ const SETTLE_SQL: &str = "UPDATE resources SET available = available - ?1, consu
     RETURNING available, reserved, consumed, version";
 
 fn settle_on(conn: &Connection, r: &SettleRecord, now_ms: i64) -> Result<Settled, StorageError> {
-    let seen = conn
+    let claimed = conn
         .prepare_cached(
-            "SELECT 1 FROM ledger WHERE tenant_id = ?1 AND resource_key = ?2 AND bucket = 0
-               AND request_id = ?3 AND op = 'deduct'",
+            "INSERT INTO redis_settled (tenant_id, resource_key, request_id, at) VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT DO NOTHING",
         )?
-        .query_row(params![r.t, r.k, r.rid], |_| Ok(()))
-        .optional()?;
-    let failed_before = conn
-        .prepare_cached(
-            "SELECT 1 FROM settlement_failures WHERE tenant_id = ?1 AND resource_key = ?2 AND request_id = ?3",
-        )?
-        .query_row(params![r.t, r.k, r.rid], |_| Ok(()))
-        .optional()?;
-    if seen.is_some() || failed_before.is_some() {
+        .execute(params![r.t, r.k, r.rid, now_ms])?;
+    if claimed == 0 {
         return Ok(Settled::Duplicate);
     }
     let after: Option<(i64, i64, i64, i64)> = conn
