@@ -21,6 +21,7 @@ pub struct Config {
     pub idempotency: IdempotencyConfig,
     pub reservations: ReservationsConfig,
     pub reconciliation: ReconciliationConfig,
+    pub buckets: BucketsConfig,
     pub auth: AuthConfig,
     pub plugins: PluginsConfig,
     pub tenants: Vec<TenantConfig>,
@@ -256,6 +257,21 @@ pub struct ReconciliationConfig {
 impl Default for ReconciliationConfig {
     fn default() -> Self {
         Self { interval_seconds: 60 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BucketsConfig {
+    /// How often bucketed resources whose buckets drifted apart are evened out; 0 disables.
+    pub rebalance_interval_ms: u64,
+    /// Most resources rebalanced per transaction.
+    pub rebalance_batch: u32,
+}
+
+impl Default for BucketsConfig {
+    fn default() -> Self {
+        Self { rebalance_interval_ms: 1_000, rebalance_batch: 100 }
     }
 }
 

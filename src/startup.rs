@@ -110,7 +110,7 @@ async fn declare_tenants(storage: &Arc<dyn Storage>, plugins: &Registry, config:
         };
         storage.ensure_config_tenant(&id, &t.name, &hash, now_ms()).await?;
         for r in &t.resources {
-            let new = NewResource { key: ResourceKey::parse(r.key.clone())?, kind: r.kind, total: r.total };
+            let new = NewResource { key: ResourceKey::parse(r.key.clone())?, kind: r.kind, total: r.total, buckets: 1 };
             storage.create_resource(&id, &new, now_ms()).await?;
         }
         if let Some(path) = &t.plugin {
@@ -207,6 +207,9 @@ pub async fn run(
             .then(|| Duration::from_secs(config.reconciliation.interval_seconds)),
         purge_interval: Duration::from_secs(config.idempotency.purge_interval_seconds),
         idempotency_retention: Duration::from_secs(config.idempotency.retention_hours.saturating_mul(3600)),
+        rebalance_interval: (config.buckets.rebalance_interval_ms > 0)
+            .then(|| Duration::from_millis(config.buckets.rebalance_interval_ms)),
+        rebalance_batch: config.buckets.rebalance_batch.max(1),
     };
     let mut jobs = jobs::spawn(storage.clone(), job_settings, jobs_stopped.clone());
     if let Some(hot) = &state.hotpath {

@@ -60,6 +60,10 @@ impl From<StorageError> for ApiError {
                 tracing::error!(error = %why, "storage failure");
                 ApiError::internal()
             }
+            StorageError::PlanRefused(why) => {
+                metrics::counter!("stockd_plugin_failures_total", "kind" => "plan_refused").increment(1);
+                ApiError::new(422, "plugin_failed", "Plugin failed", why)
+            }
         }
     }
 }

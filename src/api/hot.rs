@@ -201,6 +201,13 @@ pub async fn switch_mode(
     };
     match mode {
         Mode::Redis => {
+            match state.storage.get_resource(tenant, key).await? {
+                None => return Ok(None),
+                Some(current) if current.buckets != 1 => {
+                    return Err(ApiError::validation("mode", "redis mode takes one bucket"))
+                }
+                Some(_) => {}
+            }
             let Some(updated) = state.storage.set_resource_mode(tenant, key, Mode::Redis, now_ms()).await? else {
                 return Ok(None);
             };

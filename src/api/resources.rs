@@ -13,6 +13,7 @@ use super::error::ApiError;
 use super::extract::{IdemKey, Tenant, ValidJson};
 use super::{idempotent_response, SharedState};
 use crate::engine::{Kind, LedgerEntry, Mode, ResourceKey, ResourceState, ResourceStatus, MAX_LINE_QTY, MAX_TOTAL};
+use crate::storage::rules::MAX_BUCKETS;
 use crate::storage::{AdjustRefusal, NewResource};
 use crate::time::now_ms;
 
@@ -34,7 +35,8 @@ pub struct CreateResource {
     pub kind: Kind,
     /// Opening total, 0..=10^15, in the smallest unit.
     pub total: i64,
-    /// Number of bucket rows; this server supports 1.
+    /// Number of bucket rows the counters are split over, 1..=1024 (default 1). Orders fall
+    /// back across buckets, so a line is refused only when the total available cannot cover it.
     #[serde(default)]
     pub buckets: Option<i64>,
     /// Deduction path: "db" (default) or "redis" (needs `[redis]`; see docs/REDIS.md).
@@ -115,12 +117,17 @@ fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
     q.map(|Query(v)| v).map_err(|e| ApiError::validation("query", e.body_text()))
 }
 
-fn only_supported(buckets: Option<i64>, mode: Option<Mode>) -> Result<(), ApiError> {
-    if buckets.is_some_and(|b| b != 1) {
-        return Err(ApiError::validation("buckets", "only 1 is supported by this server"));
+/// The bucket count of a new resource.
+fn bucket_count(buckets: Option<i64>) -> Result<i64, ApiError> {
+    match buckets.unwrap_or(1) {
+        n @ 1..=MAX_BUCKETS => Ok(n),
+        _ => Err(ApiError::validation("buckets", format!("must be between 1 and {MAX_BUCKETS}"))),
     }
-    if buckets.is_some_and(|b| b != 1) && mode == Some(Mode::Redis) {
-        return Err(ApiError::validation("mode", "redis mode takes one bucket"));
+}
+
+fn only_supported(buckets: Option<i64>) -> Result<(), ApiError> {
+    if buckets.is_some() {
+        return Err(ApiError::validation("buckets", "a resource's bucket count is fixed at creation"));
     }
     Ok(())
 }
@@ -142,9 +149,12 @@ pub async fn create_resource(
     if !(0..=MAX_TOTAL).contains(&req.total) {
         return Err(ApiError::validation("total", format!("must be between 0 and {MAX_TOTAL}")));
     }
-    only_supported(req.buckets, req.mode)?;
+    let buckets = bucket_count(req.buckets)?;
     super::hot::check_mode(&state, req.mode)?;
-    let new = NewResource { key: req.key, kind: req.kind, total: req.total };
+    if buckets != 1 && req.mode == Some(Mode::Redis) {
+        return Err(ApiError::validation("mode", "redis mode takes one bucket"));
+    }
+    let new = NewResource { key: req.key, kind: req.kind, total: req.total, buckets };
     match state.storage.create_resource(&auth.tenant, &new, now_ms()).await? {
         Some(created) if req.mode == Some(Mode::Redis) => {
             let switched = super::hot::switch_mode(&state, &auth.tenant, &new.key, Mode::Redis).await?;
@@ -216,7 +226,7 @@ pub async fn patch_resource(
     if req.status.is_none() && req.buckets.is_none() && req.mode.is_none() {
         return Err(ApiError::validation("body", "give at least one of status, buckets, mode"));
     }
-    only_supported(req.buckets, req.mode)?;
+    only_supported(req.buckets)?;
     super::hot::check_mode(&state, req.mode)?;
     let mut updated = match req.status {
         Some(status) => state.storage.set_resource_status(&auth.tenant, &key, status, now_ms()).await?,

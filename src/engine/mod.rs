@@ -2,6 +2,7 @@
 //! Everything here is pure (no I/O, time passed in), so every storage backend applies exactly
 //! the same rules and the rules are unit-tested without a database.
 
+pub mod admission;
 pub mod order;
 pub mod plan;
 pub mod resource;
@@ -10,7 +11,7 @@ pub mod types;
 pub use order::{LineResult, OrderDocument, OrderRequest, OrderStatus, Reason};
 pub use plan::{DefaultPlanner, LimitSpec, PartialPolicy, Plan, PlanError, PlannedLine, Planner, PlannerRef, Target};
 pub use resource::{
-    reconcile, Counters, Drift, LedgerEntry, LedgerSum, NewestEntry, Reconciliation, Reservation, ReservationLine,
-    ResourceState,
+    reconcile, BucketCounts, BucketTake, Counters, Drift, LedgerEntry, LedgerSum, NewestEntry, Reconciliation,
+    Reservation, ReservationLine, ResourceState,
 };
 pub use types::*;

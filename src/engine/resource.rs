@@ -22,9 +22,38 @@ pub struct ResourceState {
     pub version: i64,
     #[schema(value_type = String, format = DateTime)]
     pub updated_at: Timestamp,
+    /// Each bucket's counters, when the resource has more than one (single-resource reads only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket_counts: Option<Vec<BucketCounts>>,
+}
+
+/// One bucket's counters; a bucketed resource's totals are their sums.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct BucketCounts {
+    pub bucket: i64,
+    pub available: i64,
+    pub reserved: i64,
+    pub consumed: i64,
+    /// Number of ledger entries of this bucket.
+    #[serde(skip)]
+    pub version: i64,
+    #[serde(skip)]
+    pub updated_at_ms: i64,
 }
 
 impl ResourceState {
+    /// A bucketed resource's state from its row (which holds no counters) and its buckets' rows.
+    pub fn fold_buckets(&mut self, buckets: Vec<BucketCounts>) {
+        let sum = |f: fn(&BucketCounts) -> i64| buckets.iter().map(f).fold(0i64, i64::saturating_add);
+        self.available = sum(|b| b.available);
+        self.reserved = sum(|b| b.reserved);
+        self.consumed = sum(|b| b.consumed);
+        self.total = self.available.saturating_add(self.reserved).saturating_add(self.consumed);
+        self.version = sum(|b| b.version);
+        self.updated_at = Timestamp(buckets.iter().map(|b| b.updated_at_ms).max().unwrap_or(self.updated_at.0));
+        self.bucket_counts = Some(buckets);
+    }
+
     pub fn counters(&self) -> Counters {
         Counters {
             available: self.available,
@@ -40,6 +69,8 @@ impl ResourceState {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct LedgerEntry {
     pub seq: i64,
+    /// The bucket the entry changed (0 for a resource with one bucket); `*_after` are its counters.
+    pub bucket: i64,
     pub op: LedgerOp,
     /// Positive, except for `adjust` where the sign says restock (+) or write-off (−).
     pub qty: i64,
@@ -88,6 +119,9 @@ impl Counters {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct Drift {
     pub key: String,
+    /// The bucket that drifted, for a bucketed resource.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bucket: Option<i64>,
     /// What the ledger says.
     pub expected: Counters,
     /// What the resource row says.
@@ -106,6 +140,7 @@ pub struct Reconciliation {
 pub struct LedgerSum {
     pub tenant: String,
     pub key: String,
+    pub bucket: i64,
     pub op: LedgerOp,
     pub qty: i64,
     pub count: i64,
@@ -116,29 +151,61 @@ pub struct LedgerSum {
 pub struct NewestEntry {
     pub tenant: String,
     pub key: String,
+    pub bucket: i64,
     pub after: [i64; 3],
 }
 
 /// Compares each resource (with its tenant) against its ledger: the replayed sums and the
-/// newest entry's counters must both equal the state. Pure, so every backend judges alike.
+/// newest entry's counters must both equal the state. A bucketed resource is judged bucket by
+/// bucket (each bucket's entries against its row; the totals are their sums by construction).
+/// Pure, so every backend judges alike.
 pub fn reconcile(resources: &[(String, ResourceState)], sums: &[LedgerSum], newest: &[NewestEntry]) -> Reconciliation {
     use std::collections::HashMap;
-    let mut expected: HashMap<(&str, &str), Counters> = HashMap::new();
+    let mut expected: HashMap<(&str, &str, i64), Counters> = HashMap::new();
     for s in sums {
-        expected.entry((s.tenant.as_str(), s.key.as_str())).or_default().apply(s.op, s.qty, s.count);
+        expected.entry((s.tenant.as_str(), s.key.as_str(), s.bucket)).or_default().apply(s.op, s.qty, s.count);
     }
-    let last: HashMap<(&str, &str), [i64; 3]> =
-        newest.iter().map(|n| ((n.tenant.as_str(), n.key.as_str()), n.after)).collect();
-    let drift = resources
-        .iter()
-        .filter_map(|(tenant, state)| {
-            let id = (tenant.as_str(), state.key.as_str());
-            let want = expected.get(&id).copied().unwrap_or_default();
-            let have = state.counters();
-            let last_matches = last.get(&id) == Some(&[have.available, have.reserved, have.consumed]);
-            (want != have || !last_matches).then(|| Drift { key: state.key.clone(), expected: want, actual: have })
+    let last: HashMap<(&str, &str, i64), [i64; 3]> =
+        newest.iter().map(|n| ((n.tenant.as_str(), n.key.as_str(), n.bucket), n.after)).collect();
+    let judge = |tenant: &str, key: &str, bucket: i64, have: Counters| {
+        let id = (tenant, key, bucket);
+        let want = expected.get(&id).copied().unwrap_or_default();
+        let last_matches = last.get(&id) == Some(&[have.available, have.reserved, have.consumed]);
+        (want != have || !last_matches).then(|| Drift {
+            key: key.to_string(),
+            bucket: None,
+            expected: want,
+            actual: have,
         })
-        .collect();
+    };
+    let mut drift = Vec::new();
+    for (tenant, state) in resources {
+        match &state.bucket_counts {
+            None => drift.extend(judge(tenant, &state.key, 0, state.counters())),
+            Some(buckets) => {
+                for b in buckets {
+                    let have = Counters {
+                        available: b.available,
+                        reserved: b.reserved,
+                        consumed: b.consumed,
+                        total: b.available.saturating_add(b.reserved).saturating_add(b.consumed),
+                        version: b.version,
+                    };
+                    drift.extend(
+                        judge(tenant, &state.key, b.bucket, have).map(|d| Drift { bucket: Some(b.bucket), ..d }),
+                    );
+                }
+                if buckets.len() as i64 != state.buckets {
+                    drift.push(Drift {
+                        key: state.key.clone(),
+                        bucket: None,
+                        expected: Counters::default(),
+                        actual: state.counters(),
+                    });
+                }
+            }
+        }
+    }
     Reconciliation { checked: resources.len() as u64, drift }
 }
 
@@ -151,6 +218,17 @@ pub struct ReservationLine {
     /// The per-user limit the line counted against; given back on release or expiry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit_key: Option<String>,
+    /// For a bucketed resource, what the line took from each bucket; release, expiry and confirm
+    /// move exactly these.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buckets: Vec<BucketTake>,
+}
+
+/// A quantity taken from one bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct BucketTake {
+    pub bucket: i64,
+    pub qty: i64,
 }
 
 /// A reservation as clients see it.

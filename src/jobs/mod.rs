@@ -22,6 +22,9 @@ pub struct JobSettings {
     pub reconcile_interval: Option<Duration>,
     pub purge_interval: Duration,
     pub idempotency_retention: Duration,
+    /// `None` disables the bucket rebalancer.
+    pub rebalance_interval: Option<Duration>,
+    pub rebalance_batch: u32,
 }
 
 /// Most idempotency records deleted per purge transaction, so a purge never holds the writer long.
@@ -40,6 +43,11 @@ pub fn spawn(storage: Arc<dyn Storage>, settings: JobSettings, shutdown: watch::
             move || purge(storage.clone(), retention_ms)
         }),
     ];
+    if let Some(interval) = settings.rebalance_interval {
+        let storage = storage.clone();
+        let batch = settings.rebalance_batch;
+        jobs.push(spawn_loop(interval, shutdown.clone(), move || rebalance(storage.clone(), batch)));
+    }
     if let Some(interval) = settings.reconcile_interval {
         jobs.push(spawn_loop(interval, shutdown, move || reconcile(storage.clone())));
     }
@@ -85,6 +93,18 @@ async fn expire(storage: Arc<dyn Storage>, batch: u32) {
                 return;
             }
         }
+    }
+}
+
+/// Evens out bucketed resources whose buckets drifted apart, a bounded batch per transaction.
+async fn rebalance(storage: Arc<dyn Storage>, batch: u32) {
+    match storage.rebalance_buckets(now_ms(), batch).await {
+        Ok(0) => {}
+        Ok(n) => {
+            metrics::counter!("stockd_bucket_rebalances_total").increment(n);
+            tracing::debug!(resources = n, "buckets rebalanced");
+        }
+        Err(err) => tracing::warn!(error = %err, "bucket rebalance failed; will retry"),
     }
 }
 

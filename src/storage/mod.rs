@@ -26,6 +26,10 @@ pub enum StorageError {
     /// Anything else: a bug or a broken invariant. Logged, answered 500, never detailed.
     #[error("storage failure: {0}")]
     Internal(String),
+    /// The plan names something the stored data refutes (a bucket the resource does not have):
+    /// the plugin's fault, answered `422 plugin_failed`; nothing of the request was applied.
+    #[error("plan refused: {0}")]
+    PlanRefused(String),
 }
 
 impl From<sqlx::Error> for StorageError {
@@ -163,6 +167,8 @@ pub struct NewResource {
     pub key: ResourceKey,
     pub kind: Kind,
     pub total: i64,
+    /// 1..=1024; with more than one, the counters live in bucket rows.
+    pub buckets: i64,
 }
 
 /// An order to apply: the validated request, its plan, and the resolved reservation lifetime.
@@ -264,6 +270,10 @@ pub trait Storage: settle::SettleStore + Send + Sync + 'static {
     async fn release_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError>;
     /// Expires up to `limit` held reservations past their deadline; returns how many.
     async fn expire_due(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError>;
+
+    /// Evens out `available` across the buckets of up to `limit` bucketed resources whose
+    /// buckets differ by more than one; returns how many resources it moved.
+    async fn rebalance_buckets(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError>;
 
     /// Proves state == opening balance + ledger for one tenant, or for all when `None`.
     async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError>;

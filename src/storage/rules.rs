@@ -3,9 +3,12 @@
 
 use ulid::Ulid;
 
+use crate::engine::{ResourceKey, MAX_TOTAL};
+use crate::problem::Problem;
+
 use crate::engine::{
-    reconcile, LedgerOp, LedgerSum, LineResult, NewestEntry, PlannedLine, Reason, Reconciliation, ReservationLine,
-    ResourceState, ResourceStatus, Target,
+    reconcile, BucketCounts, BucketTake, LedgerOp, LedgerSum, LineResult, NewestEntry, PlannedLine, Reason,
+    Reconciliation, ReservationLine, ResourceState, ResourceStatus, Target,
 };
 use crate::storage::{OrderJob, StorageError};
 
@@ -16,6 +19,26 @@ pub const RESOURCE_COLUMNS: &str =
 /// A new identity for one business action; the ledger's unique key includes it.
 pub fn new_request_id() -> String {
     format!("req_{}", Ulid::new())
+}
+
+/// Why an adjustment was refused: a write-off beyond what is available, or a restock past the
+/// largest total.
+pub fn adjust_refusal(key: &ResourceKey, available: i64, delta: i64) -> Problem {
+    if delta < 0 {
+        Problem::new(
+            409,
+            "insufficient",
+            "Insufficient stock",
+            format!("{key} has {available} available, write-off of {} requested", delta.saturating_neg()),
+        )
+    } else {
+        Problem::new(
+            422,
+            "total_out_of_range",
+            "Total out of range",
+            format!("{key} would exceed the largest total, {MAX_TOTAL}"),
+        )
+    }
 }
 
 /// Why a line cannot apply to a target, judged from the resource's current row (`None`: it can).
@@ -55,20 +78,40 @@ pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<(String, St
     LineResult::Rejected(first_refusal.unwrap_or(Reason::ResourceNotFound))
 }
 
+/// A target's `(status, kind, available, buckets)` as a dry run judges it, refusing a plan
+/// that names a bucket the resource does not have (as the order itself would be refused).
+pub fn previewed(
+    target: &Target,
+    view: Option<(String, String, i64, i64)>,
+) -> Result<Option<(String, String, i64)>, StorageError> {
+    if let Some((.., n)) = &view {
+        if *n > 1 {
+            bucket_order(&target.buckets, *n, 0).map_err(StorageError::PlanRefused)?;
+        }
+    }
+    Ok(view.map(|(status, kind, available, _)| (status, kind, available)))
+}
+
 /// The lines a reservation holds, as stored (JSON): each applied line with the resource it took
 /// from and the per-user limit it counted against, so release and expiry can give both back.
-pub fn reservation_lines_json(job: &OrderJob, results: &[LineResult]) -> Result<String, StorageError> {
+pub fn reservation_lines_json(
+    job: &OrderJob,
+    results: &[LineResult],
+    takes: &[Vec<BucketTake>],
+) -> Result<String, StorageError> {
     let lines: Vec<ReservationLine> = job
         .plan
         .lines
         .iter()
         .zip(results)
-        .filter_map(|(p, r)| match r {
+        .zip(takes.iter().chain(std::iter::repeat(&Vec::new())))
+        .filter_map(|((p, r), takes)| match r {
             LineResult::Applied(target) => Some(ReservationLine {
                 key: job.order.lines.get(p.line).map(|l| l.key.to_string()).unwrap_or_default(),
                 resource: p.targets.get(*target).map(|t| t.resource.to_string()).unwrap_or_default(),
                 qty: p.qty,
                 limit_key: p.limit.as_ref().map(|l| l.key.to_string()),
+                buckets: takes.clone(),
             }),
             LineResult::Rejected(_) => None,
         })
@@ -98,6 +141,7 @@ where
             Ok(LedgerSum {
                 tenant: row.try_get("tenant_id")?,
                 key: row.try_get("resource_key")?,
+                bucket: row.try_get("bucket")?,
                 op: LedgerOp::from_db(&op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
                 qty: row.try_get("qty")?,
                 count: row.try_get("n")?,
@@ -110,6 +154,7 @@ where
             Ok(NewestEntry {
                 tenant: row.try_get("tenant_id")?,
                 key: row.try_get("resource_key")?,
+                bucket: row.try_get("bucket")?,
                 after: [
                     row.try_get("available_after")?,
                     row.try_get("reserved_after")?,
@@ -119,4 +164,206 @@ where
         })
         .collect::<Result<Vec<_>, StorageError>>()?;
     Ok(reconcile(&resources, &sums, &newest))
+}
+
+/// The most buckets a resource may have.
+pub const MAX_BUCKETS: i64 = 1024;
+
+/// `total` split over `n` buckets as evenly as integers allow: bucket `i` gets `total / n`,
+/// plus one for the first `total % n` buckets.
+pub fn split_evenly(total: i64, n: i64) -> Vec<i64> {
+    let n = n.max(1);
+    (0..n).map(|i| total / n + i64::from(i < total % n)).collect()
+}
+
+/// A stable seed for the default bucket order of one request (the same key tries the same
+/// buckets first on every retry and in every process).
+pub fn bucket_seed(tenant: &str, idempotency_key: &str) -> u64 {
+    // FNV-1a: fixed across builds and processes, unlike the std hasher's keys.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in tenant.bytes().chain([0]).chain(idempotency_key.bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+/// The order in which a line tries a resource's `n` buckets: the plan's preferred buckets first
+/// (duplicates ignored), then every other bucket in rotation from `seed`, so that no bucket is
+/// ever left out. `Err` names a preferred bucket the resource does not have.
+pub fn bucket_order(preferred: &[u16], n: i64, seed: u64) -> Result<Vec<i64>, String> {
+    let n = n.clamp(1, MAX_BUCKETS);
+    let mut seen = vec![false; n as usize];
+    let mut order = Vec::with_capacity(n as usize);
+    for &b in preferred {
+        let b = i64::from(b);
+        if b >= n {
+            return Err(format!("the plan names bucket {b}, but the resource has {n} buckets"));
+        }
+        if !std::mem::replace(&mut seen[b as usize], true) {
+            order.push(b);
+        }
+    }
+    let start = (seed % n as u64) as i64;
+    for i in 0..n {
+        let b = (start + i) % n;
+        if !seen[b as usize] {
+            order.push(b);
+        }
+    }
+    Ok(order)
+}
+
+/// What to take from which bucket for `qty`, trying buckets in `order` with `available[b]`: the
+/// first bucket that covers it alone, else from each in order until covered (never refused
+/// while the total covers it). `None`: the buckets together hold less than `qty`.
+pub fn bucket_takes(order: &[i64], available: &[i64], qty: i64) -> Option<Vec<(i64, i64)>> {
+    let have = |b: i64| available.get(b as usize).copied().unwrap_or(0);
+    if let Some(&b) = order.iter().find(|&&b| have(b) >= qty) {
+        return Some(vec![(b, qty)]);
+    }
+    let mut left = qty;
+    let mut takes = Vec::new();
+    for &b in order {
+        let take = have(b).min(left);
+        if take > 0 {
+            takes.push((b, take));
+            left -= take;
+        }
+        if left == 0 {
+            return Some(takes);
+        }
+    }
+    None
+}
+
+/// A write-off of `qty` over buckets with `available[b]`: from the fullest bucket first.
+pub fn write_off_takes(available: &[i64], qty: i64) -> Option<Vec<(i64, i64)>> {
+    let mut order: Vec<i64> = (0..available.len() as i64).collect();
+    order.sort_by_key(|&b| std::cmp::Reverse(available[b as usize]));
+    let mut left = qty;
+    let mut takes = Vec::new();
+    for b in order {
+        let take = available[b as usize].min(left);
+        if take > 0 {
+            takes.push((b, take));
+            left -= take;
+        }
+    }
+    (left == 0).then_some(takes)
+}
+
+/// The moves that even out `available` across buckets (each bucket's signed change; they sum to
+/// zero), or nothing when no two buckets differ by more than one.
+pub fn rebalance_moves(available: &[i64]) -> Vec<(i64, i64)> {
+    let (Some(&min), Some(&max)) = (available.iter().min(), available.iter().max()) else { return Vec::new() };
+    if max - min <= 1 {
+        return Vec::new();
+    }
+    let sum = available.iter().fold(0i64, |a, &b| a.saturating_add(b));
+    let target = split_evenly(sum, available.len() as i64);
+    // Hand the remainder to the buckets that hold the most already, so fewer rows move.
+    let mut by_fullness: Vec<usize> = (0..available.len()).collect();
+    by_fullness.sort_by_key(|&i| std::cmp::Reverse(available[i]));
+    let mut goal = vec![0; available.len()];
+    for (rank, i) in by_fullness.into_iter().enumerate() {
+        goal[i] = target[rank];
+    }
+    (0..available.len()).filter(|&i| goal[i] != available[i]).map(|i| (i as i64, goal[i] - available[i])).collect()
+}
+
+/// The columns of `resource_buckets` that [`bucket_rows`] maps.
+pub const BUCKET_COLUMNS: &str = "tenant_id, resource_key, bucket, available, reserved, consumed, version, updated_at";
+
+/// Bucket rows (selected as [`BUCKET_COLUMNS`]) grouped by `(tenant, resource)`, each group in
+/// the order the rows came.
+pub fn bucket_rows<R>(
+    rows: &[R],
+) -> Result<std::collections::HashMap<(String, String), Vec<BucketCounts>>, StorageError>
+where
+    R: sqlx::Row,
+    for<'a> &'a str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let mut grouped: std::collections::HashMap<(String, String), Vec<BucketCounts>> = std::collections::HashMap::new();
+    for row in rows {
+        let id = (row.try_get("tenant_id")?, row.try_get("resource_key")?);
+        grouped.entry(id).or_default().push(BucketCounts {
+            bucket: row.try_get("bucket")?,
+            available: row.try_get("available")?,
+            reserved: row.try_get("reserved")?,
+            consumed: row.try_get("consumed")?,
+            version: row.try_get("version")?,
+            updated_at_ms: row.try_get("updated_at")?,
+        });
+    }
+    Ok(grouped)
+}
+
+/// Folds bucketed resources' totals in from their grouped bucket rows; `keep_counts`: whether
+/// the state keeps each bucket's counters (single-resource reads and reconciliation) or only the
+/// totals (pages).
+pub fn fold_all(
+    states: &mut [(String, ResourceState)],
+    mut grouped: std::collections::HashMap<(String, String), Vec<BucketCounts>>,
+    keep_counts: bool,
+) {
+    for (tenant, state) in states.iter_mut().filter(|(_, s)| s.buckets > 1) {
+        let buckets = grouped.remove(&(tenant.clone(), state.key.clone())).unwrap_or_default();
+        state.fold_buckets(buckets);
+        if !keep_counts {
+            state.bucket_counts = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod bucket_tests {
+    use super::*;
+
+    #[test]
+    fn split_evenly_spreads_the_remainder_over_the_first_buckets() {
+        assert_eq!(split_evenly(10, 4), vec![3, 3, 2, 2]);
+        assert_eq!(split_evenly(3, 4), vec![1, 1, 1, 0]);
+        assert_eq!(split_evenly(0, 2), vec![0, 0]);
+        assert_eq!(split_evenly(7, 1), vec![7]);
+    }
+
+    #[test]
+    fn bucket_order_puts_preferred_first_and_never_leaves_a_bucket_out() {
+        assert_eq!(bucket_order(&[2, 2, 0], 4, 5).unwrap(), vec![2, 0, 1, 3]);
+        assert_eq!(bucket_order(&[], 4, 6).unwrap(), vec![2, 3, 0, 1]);
+        assert!(bucket_order(&[4], 4, 0).unwrap_err().contains("bucket 4"));
+        for seed in 0..50 {
+            let mut order = bucket_order(&[], 7, seed).unwrap();
+            order.sort();
+            assert_eq!(order, (0..7).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn takes_prefer_one_bucket_and_fall_back_across_buckets_while_the_total_covers() {
+        let available = [3, 3, 2, 2];
+        assert_eq!(bucket_takes(&[2, 3, 0, 1], &available, 2), Some(vec![(2, 2)]));
+        assert_eq!(bucket_takes(&[2, 3, 0, 1], &available, 3), Some(vec![(0, 3)]));
+        assert_eq!(bucket_takes(&[2, 3, 0, 1], &available, 9), Some(vec![(2, 2), (3, 2), (0, 3), (1, 2)]));
+        assert_eq!(bucket_takes(&[2, 3, 0, 1], &available, 10).map(|t| t.len()), Some(4));
+        assert_eq!(bucket_takes(&[2, 3, 0, 1], &available, 11), None);
+        assert_eq!(write_off_takes(&available, 5), Some(vec![(0, 3), (1, 2)]));
+        assert_eq!(write_off_takes(&available, 11), None);
+    }
+
+    #[test]
+    fn rebalance_evens_out_and_moves_nothing_in_total() {
+        let moves = rebalance_moves(&[0, 25, 25, 25]);
+        assert_eq!(moves.iter().map(|m| m.1).sum::<i64>(), 0);
+        let mut after = [0, 25, 25, 25];
+        for (b, d) in &moves {
+            after[*b as usize] += d;
+        }
+        assert!(after.iter().max().unwrap() - after.iter().min().unwrap() <= 1, "{after:?}");
+        assert!(rebalance_moves(&[3, 2, 3]).is_empty());
+        assert!(rebalance_moves(&[]).is_empty());
+    }
 }

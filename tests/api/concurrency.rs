@@ -9,7 +9,9 @@ use futures::future::join_all;
 use serde_json::Value;
 use tokio::sync::Barrier;
 
-use crate::helpers::{assert_counts, deduct, entries_with_op, reserve, spawn_app, unique, Reply, TenantClient};
+use crate::helpers::{
+    assert_counts, assert_problem, deduct, entries_with_op, reserve, spawn_app, unique, Reply, TenantClient,
+};
 
 /// Bound on how long a client keeps retrying `409 idempotency_in_progress`.
 const IN_PROGRESS_DEADLINE: Duration = Duration::from_secs(30);
@@ -137,6 +139,57 @@ async fn forty_concurrent_replays_apply_once() {
     assert_counts(&shop.state("sku-1").await, 93, 0, 7, 100);
     let ledger = shop.assert_ledger_replays_to_state("sku-1").await;
     assert_eq!(entries_with_op(&ledger, "deduct").len(), 1);
+}
+
+/// 40 concurrent requests under one key, half of them with another body, racing plain orders
+/// under fresh keys (so they share batches decided together): exactly one of the pair is
+/// applied; every copy of the winner answers its outcome, every copy of the loser answers
+/// `422 idempotency_key_mismatch`; the plain orders each apply once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_with_two_bodies_in_one_burst_applies_one_of_them_once() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 100).await;
+    let bodies = [deduct("ORD-A", &[("sku-1", 3)]), deduct("ORD-B", &[("sku-1", 5)])];
+
+    let barrier = Arc::new(Barrier::new(60));
+    let contested = (0..40).map(|i| {
+        let (shop, barrier, body) = (shop.clone(), barrier.clone(), bodies[i % 2].clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            (i % 2, order_until_settled(&shop, "the-contested-key", &body).await)
+        })
+    });
+    let plain = (0..20).map(|i| {
+        let (shop, barrier) = (shop.clone(), barrier.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            order_until_settled(&shop, &format!("plain-{i}"), &deduct(&format!("P-{i}"), &[("sku-1", 1)])).await
+        })
+    });
+    let (contested, plain) = tokio::join!(join_all(contested), join_all(plain));
+    let contested: Vec<(usize, Reply)> = contested.into_iter().map(|r| r.expect("client task")).collect();
+    for reply in plain {
+        assert_eq!(reply.expect("client task").status(), 201);
+    }
+
+    let winners: HashSet<usize> = contested.iter().filter(|(_, r)| r.status() == 201).map(|(b, _)| *b).collect();
+    assert_eq!(winners.len(), 1, "exactly one body wins the key");
+    let winner = *winners.iter().next().expect("a winner");
+    let first = contested.iter().find(|(b, _)| *b == winner).map(|(_, r)| r.json()).expect("winner answer");
+    for (body, reply) in &contested {
+        if *body == winner {
+            assert_eq!(reply.status(), 201, "{}", reply.text);
+            assert_eq!(reply.json(), first, "every copy of the winner answers its outcome");
+        } else {
+            assert_problem(reply, 422, "idempotency_key_mismatch");
+        }
+    }
+    let qty = if winner == 0 { 3 } else { 5 };
+    assert_counts(&shop.state("sku-1").await, 100 - 20 - qty, 0, 20 + qty, 100);
+    let ledger = shop.assert_ledger_replays_to_state("sku-1").await;
+    assert_eq!(entries_with_op(&ledger, "deduct").len(), 21);
+    shop.assert_reconciliation_clean(1).await;
 }
 
 /// Multi-line orders over the same three keys, listed in every order by 32 concurrent clients:

@@ -308,11 +308,6 @@ impl TestApp {
         self.start().await;
     }
 
-    /// The database this app (and its siblings) uses, for tests that reach past the API.
-    pub fn database_url(&self) -> &str {
-        &self.database_url
-    }
-
     pub async fn admin_get(&self, path: &str) -> Reply {
         send(self.client.get(self.url(path)).bearer_auth(&self.admin_token)).await
     }
@@ -918,5 +913,13 @@ impl TenantClient {
         tokio::time::timeout(REQUEST_TIMEOUT, reading).await.expect("the server answers and closes the connection");
         writing.abort();
         parse_raw_response(&raw)
+    }
+}
+
+impl TestApp {
+    /// The database URL this test's server runs on, for the rare test that must tamper with
+    /// storage behind the server's back (e.g. to prove reconciliation notices it).
+    pub fn database_url(&self) -> &str {
+        &self.database_url
     }
 }

@@ -8,6 +8,7 @@
 //! default `sqlite`), so the same suite runs against every backend.
 
 mod bench;
+mod buckets;
 mod cluster;
 mod concurrency;
 mod config_tenants;

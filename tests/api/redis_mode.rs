@@ -395,13 +395,21 @@ async fn redis_mode_without_redis_is_refused() {
     assert_problem(&shop.patch("/v1/resources/k", &json!({"mode": "redis"})).await, 400, "validation_failed");
 }
 
-/// An order that touches a redis-mode resource must be one line to that one resource.
+/// An order that touches a redis-mode resource must be one line to that one resource, and a
+/// redis-mode resource has one bucket (at creation, and when switching).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_line_orders_on_redis_mode_resources_are_refused() {
     let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
     let shop = app.create_tenant("shop").await;
     create_redis_resource(&shop, "hot", 10).await;
     shop.create_resource("plain", 10).await;
+    let bucketed = json!({"key": "split", "kind": "inventory", "total": 10, "buckets": 4, "mode": "redis"});
+    assert_problem(&shop.post("/v1/resources", &bucketed).await, 400, "validation_failed");
+    shop.post("/v1/resources", &json!({"key": "split", "kind": "inventory", "total": 10, "buckets": 4}))
+        .await
+        .expect_json(201);
+    assert_problem(&shop.patch("/v1/resources/split", &json!({"mode": "redis"})).await, 400, "validation_failed");
+    assert_eq!(shop.state("split").await["mode"], "db");
     let body = json!({"order_id": "m1", "action": "deduct",
         "lines": [{"key": "hot", "qty": 1}, {"key": "plain", "qty": 1}]});
     assert_problem(&shop.order(&unique("m"), &body).await, 422, "redis_order_unsupported");

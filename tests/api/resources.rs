@@ -83,7 +83,7 @@ async fn invalid_resource_bodies_create_nothing() {
         json!({"key": "r", "kind": "inventory", "total": -1}),
         json!({"key": "r", "kind": "inventory", "total": 1.5}),
         json!({"key": "r", "kind": "inventory", "total": "10"}),
-        json!({"key": "r", "kind": "inventory", "total": 10, "buckets": 2}),
+        json!({"key": "r", "kind": "inventory", "total": 10, "buckets": 1025}),
         json!({"key": "r", "kind": "inventory", "total": 10, "buckets": 0}),
         json!({"key": "r", "kind": "inventory", "total": 10, "mode": "redis"}),
         json!({"key": "r", "kind": "inventory", "total": 10, "mode": "memory"}),

@@ -11,6 +11,8 @@
 //! Correctness across processes comes from the database alone (guarded updates, the
 //! idempotency row claimed first, `SKIP LOCKED`), never from the batcher: it only saves commits.
 
+mod admit;
+pub mod buckets;
 pub mod ops;
 pub mod settle;
 
@@ -29,7 +31,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use self::ops::{reservation_from_row, resource_from_row};
-use super::rules::{preview_line, reconcile_rows, RESOURCE_COLUMNS};
+use super::rules::{bucket_rows, fold_all, preview_line, previewed, reconcile_rows, BUCKET_COLUMNS, RESOURCE_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
@@ -188,6 +190,51 @@ trait Queued: Send {
     fn run<'a>(&'a mut self, conn: &'a mut PgConnection) -> BoxFuture<'a, Ran>;
     /// Answers the caller once the batch's fate is known: `Ok` after a commit.
     fn answer(self: Box<Self>, batch: Result<(), StorageError>);
+    /// An order the batch may decide by admission together with its other orders.
+    fn as_order(&mut self) -> Option<&mut PendingOrder> {
+        None
+    }
+}
+
+/// A queued order. In each run of its batch it is either decided by admission with the batch's
+/// other orders (`admitted`) or on its own in its savepoint, like any job.
+struct PendingOrder {
+    job: std::sync::Arc<OrderJob>,
+    now_ms: i64,
+    admitted: bool,
+    result: Option<Result<OrderExecution, StorageError>>,
+    reply: oneshot::Sender<Result<OrderExecution, StorageError>>,
+}
+
+impl Queued for PendingOrder {
+    fn locks(&self) -> &[(String, String)] {
+        &[]
+    }
+
+    fn run<'a>(&'a mut self, conn: &'a mut PgConnection) -> BoxFuture<'a, Ran> {
+        Box::pin(async move {
+            let result = ops::execute_order(conn, &self.job, self.now_ms).await;
+            let ran = match &result {
+                Ok(_) => Ran::Kept,
+                Err(StorageError::Unavailable(why)) => Ran::Transient(why.clone()),
+                Err(StorageError::Internal(_) | StorageError::PlanRefused(_)) => Ran::Failed,
+            };
+            self.result = Some(result);
+            ran
+        })
+    }
+
+    fn answer(self: Box<Self>, batch: Result<(), StorageError>) {
+        let reply = match batch {
+            Ok(()) => self.result.unwrap_or_else(|| Err(StorageError::Internal("a committed order never ran".into()))),
+            Err(err) => Err(err),
+        };
+        let _ = self.reply.send(reply);
+    }
+
+    fn as_order(&mut self) -> Option<&mut PendingOrder> {
+        Some(self)
+    }
 }
 
 struct Pending<T> {
@@ -209,7 +256,7 @@ impl<T: Send + 'static> Queued for Pending<T> {
             let ran = match &result {
                 Ok(_) => Ran::Kept,
                 Err(StorageError::Unavailable(why)) => Ran::Transient(why.clone()),
-                Err(StorageError::Internal(_)) => Ran::Failed,
+                Err(StorageError::Internal(_) | StorageError::PlanRefused(_)) => Ran::Failed,
             };
             self.result = Some(result);
             ran
@@ -230,6 +277,9 @@ impl<T: Send + 'static> Queued for Pending<T> {
 enum BatchFailure {
     /// Certainly not committed, for a passing reason: run it again.
     Retry(String),
+    /// Batch admission failed for a reason that is not passing (a bug): run the batch again
+    /// at once with every order decided on its own.
+    WithoutAdmission(String),
     /// Give up now (no connection within the timeout, a commit whose outcome is unknown, or a
     /// failure that is not transient).
     Final(StorageError),
@@ -279,9 +329,15 @@ async fn fill(rx: &mut mpsc::Receiver<Box<dyn Queued>>, batch: &mut Vec<Box<dyn 
 async fn commit_batch(pool: &PgPool, batch: &mut Vec<Box<dyn Queued>>, max_retries: u32) {
     let rows = declared_rows(batch);
     let mut attempt = 0;
+    let mut admission = true;
     let outcome = loop {
-        match run_batch(pool, batch, &rows).await {
+        match run_batch(pool, batch, &rows, admission).await {
             Ok(()) => break Ok(()),
+            Err(BatchFailure::WithoutAdmission(why)) if admission => {
+                tracing::error!(reason = %why, "batch admission failed; deciding the batch's orders one by one");
+                admission = false;
+            }
+            Err(BatchFailure::WithoutAdmission(why)) => break Err(StorageError::Internal(why)),
             Err(BatchFailure::Retry(why)) if attempt < max_retries => {
                 tracing::debug!(attempt, reason = %why, "batch failed for a passing reason; running it again");
                 metrics::counter!("stockd_batch_retries_total").increment(1);
@@ -309,6 +365,7 @@ fn duplicate(err: &StorageError) -> StorageError {
     match err {
         StorageError::Unavailable(why) => StorageError::Unavailable(why.clone()),
         StorageError::Internal(why) => StorageError::Internal(why.clone()),
+        StorageError::PlanRefused(why) => StorageError::PlanRefused(why.clone()),
     }
 }
 
@@ -324,11 +381,12 @@ async fn run_batch(
     pool: &PgPool,
     batch: &mut [Box<dyn Queued>],
     rows: &(Vec<String>, Vec<String>),
+    admission: bool,
 ) -> Result<(), BatchFailure> {
     // No retry when no connection comes within `acquire_timeout`: the pool has already waited
     // (and retried connecting) that long, and callers should hear `Unavailable` promptly.
     let mut conn = acquire(pool).await.map_err(BatchFailure::Final)?;
-    match tokio::time::timeout(ATTEMPT_DEADLINE, attempt(&mut conn, batch, rows)).await {
+    match tokio::time::timeout(ATTEMPT_DEADLINE, attempt(&mut conn, batch, rows, admission)).await {
         Ok(result) => result,
         Err(_) => {
             // The connection stopped answering mid-statement. It must never serve anyone else,
@@ -346,12 +404,21 @@ async fn attempt(
     conn: &mut PgConnection,
     batch: &mut [Box<dyn Queued>],
     rows: &(Vec<String>, Vec<String>),
+    admission: bool,
 ) -> Result<(), BatchFailure> {
     // sqlx's transaction guards roll back whatever is left open if this returns early (or is
     // dropped), before the connection can serve anyone else.
     let mut tx = conn.begin().await.map_err(BatchFailure::of)?;
-    lock_declared_rows(&mut tx, rows).await.map_err(BatchFailure::of)?;
+    let locked = lock_declared_rows(&mut tx, rows).await.map_err(BatchFailure::of)?;
+    if let Err(why) = admit_orders(&mut tx, batch, &locked, admission).await {
+        // Best effort: if the connection is gone, the server has rolled back already.
+        let _ = tx.rollback().await;
+        return Err(why);
+    }
     for job in batch.iter_mut() {
+        if job.as_order().is_some_and(|o| o.admitted) {
+            continue;
+        }
         let mut savepoint = Connection::begin(&mut *tx).await.map_err(BatchFailure::of)?;
         match job.run(&mut savepoint).await {
             Ran::Kept => savepoint.commit().await.map_err(BatchFailure::of)?,
@@ -374,26 +441,71 @@ async fn attempt(
     })
 }
 
-/// The resource rows a batch's jobs declared (see [`LockSet`]), as the two parallel arrays
-/// [`lock_declared_rows`] binds; computed once per batch, not per attempt.
-fn declared_rows(batch: &[Box<dyn Queued>]) -> (Vec<String>, Vec<String>) {
-    let mut rows: Vec<&(String, String)> = batch.iter().flat_map(|job| job.locks()).collect();
-    rows.sort_unstable();
-    rows.dedup();
-    rows.into_iter().cloned().unzip()
+/// Decides the batch's orders together (see [`admit::execute_orders_fast`]), marking those it
+/// decided; the rest run on their own. It runs first in the transaction, so a failure of it
+/// needs no savepoint: the batch is run again, without admission if the failure was not
+/// passing.
+async fn admit_orders(
+    tx: &mut PgConnection,
+    batch: &mut [Box<dyn Queued>],
+    locked: &[PgRow],
+    admission: bool,
+) -> Result<(), BatchFailure> {
+    let mut orders: Vec<&mut PendingOrder> = batch.iter_mut().filter_map(|job| job.as_order()).collect();
+    for order in orders.iter_mut() {
+        order.admitted = false;
+    }
+    if !admission || orders.len() < 2 {
+        return Ok(());
+    }
+    let rows = admit::locked_rows(locked).map_err(|e| BatchFailure::WithoutAdmission(e.to_string()))?;
+    let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&*o.job, o.now_ms)).collect();
+    match admit::execute_orders_fast(tx, &jobs, rows).await {
+        Ok(outcomes) => {
+            for (order, outcome) in orders.into_iter().zip(outcomes) {
+                if let Some(execution) = outcome {
+                    metrics::counter!("stockd_orders_admitted_in_batch_total").increment(1);
+                    order.result = Some(Ok(execution));
+                    order.admitted = true;
+                }
+            }
+            Ok(())
+        }
+        Err(StorageError::Unavailable(why)) => Err(BatchFailure::Retry(why)),
+        Err(err) => Err(BatchFailure::WithoutAdmission(err.to_string())),
+    }
 }
 
-/// Locks the declared resource rows in one global order. Rows that do not exist are simply not
-/// locked; the jobs judge them as usual.
-async fn lock_declared_rows(conn: &mut PgConnection, rows: &(Vec<String>, Vec<String>)) -> Result<(), sqlx::Error> {
+/// The resource rows a batch's jobs declared (see [`LockSet`]), as the two parallel arrays
+/// [`lock_declared_rows`] binds; computed once per batch, not per attempt.
+fn declared_rows(batch: &mut [Box<dyn Queued>]) -> (Vec<String>, Vec<String>) {
+    let mut rows: Vec<(String, String)> = batch.iter().flat_map(|job| job.locks()).cloned().collect();
+    for job in batch.iter_mut() {
+        if let Some(order) = job.as_order() {
+            let tenant = order.job.tenant.to_string();
+            rows.extend(order.job.plan.resources().map(|key| (tenant.clone(), key.to_string())));
+        }
+    }
+    rows.sort_unstable();
+    rows.dedup();
+    rows.into_iter().unzip()
+}
+
+/// Locks the declared resource rows in one global order and returns them as they are now (for
+/// batch admission). Rows that do not exist are simply not locked; the jobs judge them as usual.
+async fn lock_declared_rows(
+    conn: &mut PgConnection,
+    rows: &(Vec<String>, Vec<String>),
+) -> Result<Vec<PgRow>, sqlx::Error> {
     let (tenants, keys) = rows;
     if tenants.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     // In a locking SELECT the sort runs first and rows are locked as they leave it, so the
     // locks are taken in this order.
     sqlx::query(
-        "SELECT 1 FROM resources r
+        "SELECT r.tenant_id, r.key, r.kind, r.status, r.buckets, r.available, r.reserved, r.consumed, r.version
+         FROM resources r
          JOIN UNNEST($1::text[], $2::text[]) AS wanted (tenant_id, key)
            ON r.tenant_id = wanted.tenant_id AND r.key = wanted.key
          ORDER BY r.tenant_id COLLATE \"C\", r.key COLLATE \"C\"
@@ -401,9 +513,8 @@ async fn lock_declared_rows(conn: &mut PgConnection, rows: &(Vec<String>, Vec<St
     )
     .bind(tenants)
     .bind(keys)
-    .execute(conn)
-    .await?;
-    Ok(())
+    .fetch_all(conn)
+    .await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -417,6 +528,7 @@ fn ledger_from_row(row: &PgRow) -> Result<LedgerEntry, StorageError> {
     let op: &str = row.try_get("op")?;
     Ok(LedgerEntry {
         seq: row.try_get("seq")?,
+        bucket: row.try_get("bucket")?,
         op: LedgerOp::from_db(op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
         qty: row.try_get("qty")?,
         request_id: row.try_get("request_id")?,
@@ -553,8 +665,14 @@ impl Storage for PgStorage {
     async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError> {
         let sql = format!("SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = $1 AND key = $2");
         let mut conn = acquire(&self.pool).await?;
-        let row = sqlx::query(&sql).bind(tenant.as_str()).bind(key.as_str()).fetch_optional(&mut *conn).await?;
-        row.as_ref().map(resource_from_row).transpose()
+        let mut tx = conn.begin_with(SNAPSHOT).await?;
+        let row = sqlx::query(&sql).bind(tenant.as_str()).bind(key.as_str()).fetch_optional(&mut *tx).await?;
+        let state = match row.as_ref().map(resource_from_row).transpose()? {
+            Some(state) => Some(buckets::complete(&mut tx, tenant.as_str(), state).await?),
+            None => None,
+        };
+        tx.commit().await?;
+        Ok(state)
     }
 
     async fn list_resources(
@@ -583,7 +701,13 @@ impl Storage for PgStorage {
             .bind(i64::from(limit))
             .fetch_all(&mut *conn)
             .await?;
-        rows.iter().map(resource_from_row).collect()
+        let mut states = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let mut state = buckets::complete(&mut conn, tenant.as_str(), resource_from_row(row)?).await?;
+            state.bucket_counts = None;
+            states.push(state);
+        }
+        Ok(states)
     }
 
     async fn set_resource_status(
@@ -645,7 +769,7 @@ impl Storage for PgStorage {
         // Paging by `seq` is gap-free per resource: its ledger rows are written while the
         // resource row is locked, so they commit in `seq` order.
         let rows = sqlx::query(
-            "SELECT seq, op, qty, request_id, order_id, reservation_id, available_after, reserved_after,
+            "SELECT seq, bucket, op, qty, request_id, order_id, reservation_id, available_after, reserved_after,
                     consumed_after, plugin_version, at
              FROM ledger WHERE tenant_id = $1 AND resource_key = $2 AND seq > $3 ORDER BY seq LIMIT $4",
         )
@@ -660,17 +784,11 @@ impl Storage for PgStorage {
     }
 
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
-        // Shared rather than cloned per run: an order can carry a hundred lines.
-        let locks = job.plan.resources().map(|resource| (job.tenant.to_string(), resource.to_string())).collect();
-        let job = std::sync::Arc::new(job);
-        self.submit(
-            locks,
-            work(move |conn| {
-                let job = job.clone();
-                Box::pin(async move { ops::execute_order(conn, &job, now_ms).await })
-            }),
-        )
-        .await
+        // Its resource rows are declared by the order itself (see `declared_rows`).
+        let (reply, rx) = oneshot::channel();
+        let order = PendingOrder { job: std::sync::Arc::new(job), now_ms, admitted: false, result: None, reply };
+        self.queue()?.send(Box::new(order)).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
+        rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }
 
     async fn preview_order(
@@ -689,7 +807,8 @@ impl Storage for PgStorage {
             };
             let mut views = Vec::with_capacity(line.targets.len());
             for target in &line.targets {
-                views.push(ops::line_view(&mut tx, tenant.as_str(), target.resource.as_str()).await?);
+                let view = ops::line_view(&mut tx, tenant.as_str(), target.resource.as_str()).await?;
+                views.push(previewed(target, view)?);
             }
             results.push(preview_line(line, used, views));
         }
@@ -737,6 +856,10 @@ impl Storage for PgStorage {
         self.submit(Vec::new(), work(move |conn| Box::pin(ops::expire_due(conn, now_ms, limit)))).await
     }
 
+    async fn rebalance_buckets(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
+        self.submit(Vec::new(), work(move |conn| Box::pin(buckets::rebalance(conn, now_ms, limit)))).await
+    }
+
     async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {
         // One snapshot: resources and ledger come from the same moment, so a commit landing
         // between the queries can never look like drift.
@@ -750,27 +873,36 @@ impl Storage for PgStorage {
         let resources = sqlx::query(&sql).bind(tenant).fetch_all(&mut *tx).await?;
         // SUM over BIGINT is NUMERIC in PostgreSQL; the cast fails (rather than wraps) on overflow.
         let sums = sqlx::query(
-            "SELECT tenant_id, resource_key, op, SUM(qty)::BIGINT AS qty, COUNT(*) AS n FROM ledger
-             WHERE ($1::text IS NULL OR tenant_id = $1::text) GROUP BY tenant_id, resource_key, op",
+            "SELECT tenant_id, resource_key, bucket, op, SUM(qty)::BIGINT AS qty, COUNT(*) AS n FROM ledger
+             WHERE ($1::text IS NULL OR tenant_id = $1::text) GROUP BY tenant_id, resource_key, bucket, op",
         )
         .bind(tenant)
         .fetch_all(&mut *tx)
         .await?;
         let latest = sqlx::query(
-            "SELECT l.tenant_id, l.resource_key, l.available_after, l.reserved_after, l.consumed_after FROM ledger l
+            "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
+             FROM ledger l
              JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE ($1::text IS NULL OR tenant_id = $1::text)
-                   GROUP BY tenant_id, resource_key) m
+                   GROUP BY tenant_id, resource_key, bucket) m
                ON l.seq = m.seq",
         )
         .bind(tenant)
         .fetch_all(&mut *tx)
         .await?;
+        let buckets_read = sqlx::query(&format!(
+            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE ($1::text IS NULL OR tenant_id = $1::text)
+             ORDER BY tenant_id, resource_key, bucket"
+        ))
+        .bind(tenant)
+        .fetch_all(&mut *tx)
+        .await?;
         tx.commit().await?;
 
-        let resources = resources
+        let mut resources = resources
             .iter()
             .map(|row| Ok((row.try_get("tenant_id")?, resource_from_row(row)?)))
             .collect::<Result<Vec<_>, StorageError>>()?;
+        fold_all(&mut resources, bucket_rows(&buckets_read)?, true);
         reconcile_rows(resources, &sums, &latest)
     }
 

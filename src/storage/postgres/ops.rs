@@ -14,13 +14,15 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 use ulid::Ulid;
 
+use super::buckets;
 use crate::engine::order::decide;
 use crate::engine::{
-    Action, Kind, LedgerOp, LimitSpec, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason, Reservation,
-    ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
+    Action, BucketTake, Kind, LedgerOp, LimitSpec, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason,
+    Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
-use crate::problem::Problem;
-use crate::storage::rules::{line_refusal, new_request_id, reservation_lines_json, RESOURCE_COLUMNS};
+use crate::storage::rules::{
+    adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, RESOURCE_COLUMNS,
+};
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, StorageError, StoredResponse, Transition,
@@ -53,6 +55,7 @@ pub(super) fn resource_from_row(row: &PgRow) -> Result<ResourceState, StorageErr
         mode,
         version: row.try_get("version")?,
         updated_at: Timestamp(row.try_get("updated_at")?),
+        bucket_counts: None,
     })
 }
 
@@ -339,20 +342,27 @@ async fn create_resource_as(
     let sql = format!(
         "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
                                 version, created_at, updated_at)
-         VALUES ($1, $2, $3, 'active', 'db', 1, $4, $4, 0, 0, 1, $5, $5)
+         VALUES ($1, $2, $3, 'active', 'db', $6, $4, $4, 0, 0, 1, $5, $5)
          ON CONFLICT (tenant_id, key) DO NOTHING
          RETURNING {RESOURCE_COLUMNS}"
     );
+    // A bucketed resource's row holds no counters: its buckets do.
+    let row_total = if res.buckets > 1 { 0 } else { res.total };
     let row = sqlx::query(&sql)
         .bind(tenant.as_str())
         .bind(res.key.as_str())
         .bind(res.kind.as_str())
-        .bind(res.total)
+        .bind(row_total)
         .bind(now_ms)
+        .bind(res.buckets.max(1))
         .fetch_optional(&mut *conn)
         .await?;
     let Some(row) = row else { return Ok(None) };
     let (state, after) = (resource_from_row(&row)?, After::from_row(&row)?);
+    if res.buckets > 1 {
+        buckets::create_buckets(conn, tenant, res, plugin_version, now_ms).await?;
+        return buckets::complete(conn, tenant.as_str(), state).await.map(Some);
+    }
     let facts = LedgerFacts {
         tenant: tenant.as_str(),
         resource: res.key.as_str(),
@@ -385,7 +395,8 @@ pub async fn set_resource_status(
         .bind(key.as_str())
         .fetch_optional(&mut *conn)
         .await?;
-    row.as_ref().map(resource_from_row).transpose()
+    let Some(state) = row.as_ref().map(resource_from_row).transpose()? else { return Ok(None) };
+    buckets::complete(conn, tenant.as_str(), state).await.map(Some)
 }
 
 pub async fn adjust(
@@ -398,6 +409,23 @@ pub async fn adjust(
 ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError> {
     if let Some(previous) = idempotency_claim(conn, tenant, idem, now_ms).await? {
         return Ok(Ok(previous));
+    }
+    let bucketed = sqlx::query(&format!(
+        "SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = $1 AND key = $2 AND buckets > 1"
+    ))
+    .bind(tenant.as_str())
+    .bind(key.as_str())
+    .fetch_optional(&mut *conn)
+    .await?;
+    if let Some(row) = bucketed {
+        let state = resource_from_row(&row)?;
+        let available = buckets::complete(conn, tenant.as_str(), state.clone()).await?.available;
+        let response = match buckets::adjust(conn, tenant, state, delta, now_ms).await? {
+            Some(state) => StoredResponse::json(200, &state)?,
+            None => StoredResponse::problem(&adjust_refusal(key, available, delta))?,
+        };
+        idempotency_finish(conn, tenant, idem, &response).await?;
+        return Ok(Ok(Idempotent::Fresh(response)));
     }
     let sql = format!(
         "UPDATE resources SET available = available + $1, total = total + $1, version = version + 1, updated_at = $2
@@ -443,22 +471,7 @@ pub async fn adjust(
                 idempotency_release(conn, tenant, idem).await?;
                 return Ok(Err(AdjustRefusal::ResourceNotFound));
             };
-            let problem = if delta < 0 {
-                Problem::new(
-                    409,
-                    "insufficient",
-                    "Insufficient stock",
-                    format!("{key} has {available} available, write-off of {} requested", -delta),
-                )
-            } else {
-                Problem::new(
-                    422,
-                    "total_out_of_range",
-                    "Total out of range",
-                    format!("{key} would exceed the largest total, {MAX_TOTAL}"),
-                )
-            };
-            StoredResponse::problem(&problem)?
+            StoredResponse::problem(&adjust_refusal(key, available, delta))?
         }
     };
     idempotency_finish(conn, tenant, idem, &response).await?;
@@ -503,22 +516,34 @@ pub(super) async fn limit_used(conn: &mut PgConnection, tenant: &str, key: &str)
     Ok(used.unwrap_or(0))
 }
 
-/// The `(status, kind, available)` of a resource, for judging lines with [`line_refusal`].
+/// The `(status, kind, available, buckets)` of a resource, for judging lines with
+/// [`line_refusal`]; a bucketed resource's available is its buckets' sum.
 pub(super) async fn line_view(
     conn: &mut PgConnection,
     tenant: &str,
     resource: &str,
-) -> Result<Option<(String, String, i64)>, StorageError> {
-    Ok(sqlx::query_as("SELECT status, kind, available FROM resources WHERE tenant_id = $1 AND key = $2")
-        .bind(tenant)
-        .bind(resource)
-        .fetch_optional(&mut *conn)
-        .await?)
+) -> Result<Option<(String, String, i64, i64)>, StorageError> {
+    Ok(sqlx::query_as(LINE_VIEW_SQL).bind(tenant).bind(resource).fetch_optional(&mut *conn).await?)
+}
+
+/// See [`line_view`].
+pub(super) const LINE_VIEW_SQL: &str = "SELECT status, kind,
+        CASE WHEN buckets = 1 THEN available ELSE
+          (SELECT COALESCE(SUM(b.available), 0)::BIGINT FROM resource_buckets b
+           WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key) END AS available,
+        buckets
+    FROM resources r WHERE tenant_id = $1 AND key = $2";
+
+/// `line_view` without the bucket count, as `line_refusal` takes it.
+pub(super) fn judged(view: Option<(String, String, i64, i64)>) -> Option<(String, String, i64)> {
+    view.map(|(status, kind, available, _)| (status, kind, available))
 }
 
 /// Identity shared by every ledger row of one order.
 struct OrderFacts<'a> {
     tenant: &'a TenantId,
+    /// Picks the first bucket tried when the plan names none.
+    seed: u64,
     action: Action,
     request_id: &'a str,
     order_id: &'a str,
@@ -528,13 +553,14 @@ struct OrderFacts<'a> {
 }
 
 /// One guarded UPDATE of one target, creating the resource first when it is missing and the
-/// plan says so. `None`: applied; `Some(reason)`: refused.
+/// plan says so. `Ok`: applied, with what each bucket gave (empty for a single-bucket
+/// resource); `Err(reason)`: refused.
 async fn apply_target(
     conn: &mut PgConnection,
     facts: &OrderFacts<'_>,
     qty: i64,
     target: &Target,
-) -> Result<Option<Reason>, StorageError> {
+) -> Result<Result<Vec<BucketTake>, Reason>, StorageError> {
     let sql = apply_sql(facts.action == Action::Reserve);
     let tenant = facts.tenant.as_str();
     let update = || {
@@ -555,18 +581,41 @@ async fn apply_target(
             // ON CONFLICT DO NOTHING: when another process created the same period meanwhile
             // (or it existed and was short), this creates nothing and the update is judged again.
             let kind = target.kind.unwrap_or(Kind::Quota);
-            let new = NewResource { key: target.resource.clone(), kind, total: allowance };
+            let new = NewResource { key: target.resource.clone(), kind, total: allowance, buckets: 1 };
             create_resource_as(conn, facts.tenant, &new, facts.plugin_version, facts.now_ms).await?;
             applied = update().fetch_optional(&mut *conn).await?.is_some();
         }
     }
     if applied {
-        return Ok(None);
+        return Ok(Ok(Vec::new()));
     }
     let view = line_view(conn, tenant, target.resource.as_str()).await?;
+    if let Some((.., n)) = view {
+        if n > 1 {
+            // A bucketed resource's row holds no counters; its buckets take the line.
+            if let Some(reason) = line_refusal(judged(view), target, qty) {
+                return Ok(Err(reason));
+            }
+            let (how, op) = match facts.action {
+                Action::Deduct => (buckets::Move::Deduct, LedgerOp::Deduct),
+                Action::Reserve => (buckets::Move::Reserve, LedgerOp::Reserve),
+            };
+            let bucket_facts = buckets::BucketFacts {
+                tenant,
+                resource: target.resource.as_str(),
+                op,
+                request_id: facts.request_id,
+                order_id: Some(facts.order_id),
+                reservation_id: facts.reservation_id,
+                plugin_version: facts.plugin_version,
+                now_ms: facts.now_ms,
+            };
+            return buckets::take(conn, &bucket_facts, how, target, n, facts.seed, qty).await;
+        }
+    }
     // The guarded UPDATE refused, so some reason applied at that moment. Another process may
     // have changed the row since (a restock, say); then the refusal was for want of stock.
-    Ok(Some(line_refusal(view, target, qty).unwrap_or(Reason::Insufficient)))
+    Ok(Err(line_refusal(judged(view), target, qty).unwrap_or(Reason::Insufficient)))
 }
 
 /// Counts `qty` against a per-user limit if it stays within `max`; `false`: it would not.
@@ -610,7 +659,7 @@ async fn apply_line(
     conn: &mut PgConnection,
     facts: &OrderFacts<'_>,
     line: &PlannedLine,
-) -> Result<LineResult, StorageError> {
+) -> Result<(LineResult, Vec<BucketTake>), StorageError> {
     // Only a line with a limit, or one that may create a resource, can change something and
     // still fail; only those need a savepoint of their own.
     let nested = line.limit.is_some() || line.targets.iter().any(|t| t.create_if_missing.is_some());
@@ -619,7 +668,7 @@ async fn apply_line(
     }
     let result = apply_line_inner(conn, facts, line).await?;
     if nested {
-        if !result.applied() {
+        if !result.0.applied() {
             sqlx::query("ROLLBACK TO SAVEPOINT line").execute(&mut *conn).await?;
         }
         sqlx::query("RELEASE SAVEPOINT line").execute(&mut *conn).await?;
@@ -631,22 +680,22 @@ async fn apply_line_inner(
     conn: &mut PgConnection,
     facts: &OrderFacts<'_>,
     line: &PlannedLine,
-) -> Result<LineResult, StorageError> {
+) -> Result<(LineResult, Vec<BucketTake>), StorageError> {
     if let Some(limit) = &line.limit {
         if !take_limit(conn, facts.tenant, limit, line.qty).await? {
-            return Ok(LineResult::Rejected(Reason::LimitExceeded));
+            return Ok((LineResult::Rejected(Reason::LimitExceeded), Vec::new()));
         }
     }
     let mut first_refusal = None;
     for (i, target) in line.targets.iter().enumerate() {
         match apply_target(conn, facts, line.qty, target).await? {
-            None => return Ok(LineResult::Applied(i)),
-            Some(reason) => {
+            Ok(takes) => return Ok((LineResult::Applied(i), takes)),
+            Err(reason) => {
                 first_refusal.get_or_insert(reason);
             }
         }
     }
-    Ok(LineResult::Rejected(first_refusal.unwrap_or(Reason::ResourceNotFound)))
+    Ok((LineResult::Rejected(first_refusal.unwrap_or(Reason::ResourceNotFound)), Vec::new()))
 }
 
 pub async fn execute_order(
@@ -662,6 +711,7 @@ pub async fn execute_order(
         .then(|| (format!("rsv_{}", Ulid::new()), Timestamp(now_ms.saturating_add(job.ttl_ms))));
     let facts = OrderFacts {
         tenant: &job.tenant,
+        seed: bucket_seed(job.tenant.as_str(), job.idempotency.key.as_str()),
         action: job.order.action,
         request_id: &request_id,
         order_id: job.order.order_id.as_str(),
@@ -676,8 +726,9 @@ pub async fn execute_order(
         sqlx::query("SAVEPOINT lines").execute(&mut *conn).await?;
     }
     let mut results = vec![LineResult::Rejected(Reason::Skipped); job.plan.lines.len()];
+    let mut takes = vec![Vec::new(); job.plan.lines.len()];
     for i in sequence {
-        results[i] = apply_line(conn, &facts, &job.plan.lines[i]).await?;
+        (results[i], takes[i]) = apply_line(conn, &facts, &job.plan.lines[i]).await?;
     }
     let status = decide(&job.plan, &results);
     if nested {
@@ -688,7 +739,7 @@ pub async fn execute_order(
     }
     if status != OrderStatus::Rejected {
         if let Some((id, expires_at)) = &reservation {
-            insert_reservation(conn, job, &results, id, *expires_at, now_ms).await?;
+            insert_reservation(conn, job, &results, &takes, id, *expires_at, now_ms).await?;
         }
     }
     let document = OrderDocument::build(&job.order, &job.plan, &results, reservation);
@@ -702,11 +753,12 @@ async fn insert_reservation(
     conn: &mut PgConnection,
     job: &OrderJob,
     results: &[LineResult],
+    takes: &[Vec<BucketTake>],
     id: &str,
     expires_at: Timestamp,
     now_ms: i64,
 ) -> Result<(), StorageError> {
-    let lines = reservation_lines_json(job, results)?;
+    let lines = reservation_lines_json(job, results, takes)?;
     sqlx::query(
         "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
          VALUES ($1, $2, $3, 'held', $4, $5, $6, $6)",
@@ -779,6 +831,31 @@ async fn finish_reservation(
     let mut lines = reservation.lines.clone();
     lines.sort_by(|a, b| a.resource.cmp(&b.resource));
     for line in &lines {
+        if !line.buckets.is_empty() {
+            let how = if to == ReservationState::Confirmed { buckets::Move::Confirm } else { buckets::Move::Unreserve };
+            let facts = buckets::BucketFacts {
+                tenant,
+                resource: &line.resource,
+                op,
+                request_id: &reservation.id,
+                order_id: Some(&reservation.order_id),
+                reservation_id: Some(&reservation.id),
+                plugin_version: None,
+                now_ms,
+            };
+            for take in &line.buckets {
+                if !buckets::move_bucket(conn, &facts, how, take.bucket, take.qty).await? {
+                    return Err(StorageError::Internal(format!(
+                        "bucket of reservation {} holds less than reserved",
+                        reservation.id
+                    )));
+                }
+            }
+            if let (Some(key), true) = (&line.limit_key, to != ReservationState::Confirmed) {
+                give_back_limit(conn, tenant, key, line.qty).await?;
+            }
+            continue;
+        }
         let row = sqlx::query(sql)
             .bind(line.qty)
             .bind(now_ms)

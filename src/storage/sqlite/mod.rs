@@ -1,6 +1,7 @@
 //! The embedded SQLite backend (WAL). Writes go through one group-committing writer thread
 //! ([`writer`], [`ops`]); reads use a pool of read connections that WAL lets run beside it.
 
+pub mod buckets;
 pub mod ops;
 pub mod settle;
 pub mod writer;
@@ -15,7 +16,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use sqlx::{ConnectOptions, Row};
 
 use self::writer::{Writer, WriterLimits};
-use super::rules::{preview_line, reconcile_rows, RESOURCE_COLUMNS};
+use super::rules::{bucket_rows, fold_all, preview_line, previewed, reconcile_rows, BUCKET_COLUMNS, RESOURCE_COLUMNS};
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
@@ -108,6 +109,40 @@ fn open_writer(path: &Path, settings: &SqliteSettings) -> Result<rusqlite::Conne
     Ok(conn)
 }
 
+/// A dry run's view of a resource: `(status, kind, available)`, a bucketed one's available
+/// being its buckets' sum.
+const PREVIEW_VIEW: &str = "SELECT status, kind,
+        CASE WHEN buckets = 1 THEN available ELSE
+          (SELECT COALESCE(SUM(b.available), 0) FROM resource_buckets b
+           WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key) END AS available,
+        buckets
+    FROM resources r WHERE tenant_id = $1 AND key = $2";
+
+impl SqliteStorage {
+    /// Folds each bucketed resource's totals in from its buckets, read in one snapshot.
+    async fn fold_buckets(
+        &self,
+        states: &mut [(String, ResourceState)],
+        keep_counts: bool,
+    ) -> Result<(), StorageError> {
+        let mut tx = self.read.begin().await?;
+        let mut grouped = std::collections::HashMap::new();
+        for (tenant, state) in states.iter().filter(|(_, s)| s.buckets > 1) {
+            let rows = sqlx::query(&format!(
+                "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE tenant_id = $1 AND resource_key = $2 ORDER BY bucket"
+            ))
+            .bind(tenant.as_str())
+            .bind(state.key.as_str())
+            .fetch_all(&mut *tx)
+            .await?;
+            grouped.extend(bucket_rows(&rows)?);
+        }
+        tx.commit().await?;
+        fold_all(states, grouped, keep_counts);
+        Ok(())
+    }
+}
+
 fn resource_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ResourceState, StorageError> {
     let corrupt = || StorageError::Internal("unexpected stored value in resources".into());
     Ok(ResourceState {
@@ -122,6 +157,7 @@ fn resource_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ResourceState, Sto
         mode: Mode::from_db(row.try_get("mode")?).ok_or_else(corrupt)?,
         version: row.try_get("version")?,
         updated_at: Timestamp(row.try_get("updated_at")?),
+        bucket_counts: None,
     })
 }
 
@@ -141,6 +177,7 @@ fn ledger_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<LedgerEntry, Storage
     let op: String = row.try_get("op")?;
     Ok(LedgerEntry {
         seq: row.try_get("seq")?,
+        bucket: row.try_get("bucket")?,
         op: LedgerOp::from_db(&op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
         qty: row.try_get("qty")?,
         request_id: row.try_get("request_id")?,
@@ -243,7 +280,11 @@ impl Storage for SqliteStorage {
             .bind(key.as_str())
             .fetch_optional(&self.read)
             .await?;
-        row.as_ref().map(resource_from_row).transpose()
+        let Some(state) = row.as_ref().map(resource_from_row).transpose()? else { return Ok(None) };
+        let mut states = [(tenant.to_string(), state)];
+        self.fold_buckets(&mut states, true).await?;
+        let [(_, state)] = states;
+        Ok(Some(state))
     }
 
     async fn list_resources(
@@ -268,7 +309,14 @@ impl Storage for SqliteStorage {
         .bind(i64::from(limit))
         .fetch_all(&self.read)
         .await?;
-        rows.iter().map(resource_from_row).collect()
+        let mut states = rows
+            .iter()
+            .map(|row| Ok((tenant.to_string(), resource_from_row(row)?)))
+            .collect::<Result<Vec<_>, StorageError>>()?;
+        if states.iter().any(|(_, s)| s.buckets > 1) {
+            self.fold_buckets(&mut states, false).await?;
+        }
+        Ok(states.into_iter().map(|(_, s)| s).collect())
     }
 
     async fn set_resource_status(
@@ -311,7 +359,7 @@ impl Storage for SqliteStorage {
             return Ok(None);
         }
         let rows = sqlx::query(
-            "SELECT seq, op, qty, request_id, order_id, reservation_id, available_after, reserved_after,
+            "SELECT seq, bucket, op, qty, request_id, order_id, reservation_id, available_after, reserved_after,
                     consumed_after, plugin_version, at
              FROM ledger WHERE tenant_id = $1 AND resource_key = $2 AND seq > $3 ORDER BY seq LIMIT $4",
         )
@@ -325,7 +373,7 @@ impl Storage for SqliteStorage {
     }
 
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
-        self.writer()?.submit(move |conn| ops::execute_order(conn, &job, now_ms)).await
+        self.writer()?.submit_order(job, now_ms).await
     }
 
     async fn preview_order(
@@ -349,13 +397,12 @@ impl Storage for SqliteStorage {
             };
             let mut views = Vec::with_capacity(line.targets.len());
             for target in &line.targets {
-                let view: Option<(String, String, i64)> =
-                    sqlx::query_as("SELECT status, kind, available FROM resources WHERE tenant_id = $1 AND key = $2")
-                        .bind(tenant.as_str())
-                        .bind(target.resource.as_str())
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                views.push(view);
+                let view: Option<(String, String, i64, i64)> = sqlx::query_as(PREVIEW_VIEW)
+                    .bind(tenant.as_str())
+                    .bind(target.resource.as_str())
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                views.push(previewed(target, view)?);
             }
             results.push(preview_line(line, used.unwrap_or(0), views));
         }
@@ -387,6 +434,10 @@ impl Storage for SqliteStorage {
         self.writer()?.submit(move |conn| ops::expire_due(conn, now_ms, limit)).await
     }
 
+    async fn rebalance_buckets(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
+        self.writer()?.submit(move |conn| buckets::rebalance(conn, now_ms, limit)).await
+    }
+
     async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {
         // One read transaction: resources and ledger come from the same snapshot, so a commit
         // landing between the two reads can never look like drift.
@@ -399,26 +450,36 @@ impl Storage for SqliteStorage {
         .fetch_all(&mut *tx)
         .await?;
         let sums = sqlx::query(
-            "SELECT tenant_id, resource_key, op, SUM(qty) AS qty, COUNT(*) AS n FROM ledger
-             WHERE ($1 IS NULL OR tenant_id = $1) GROUP BY tenant_id, resource_key, op",
+            "SELECT tenant_id, resource_key, bucket, op, SUM(qty) AS qty, COUNT(*) AS n FROM ledger
+             WHERE ($1 IS NULL OR tenant_id = $1) GROUP BY tenant_id, resource_key, bucket, op",
         )
         .bind(tenant)
         .fetch_all(&mut *tx)
         .await?;
         let latest = sqlx::query(
-            "SELECT l.tenant_id, l.resource_key, l.available_after, l.reserved_after, l.consumed_after FROM ledger l
-             JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE ($1 IS NULL OR tenant_id = $1) GROUP BY tenant_id, resource_key) m
+            "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
+             FROM ledger l
+             JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE ($1 IS NULL OR tenant_id = $1)
+                   GROUP BY tenant_id, resource_key, bucket) m
                ON l.seq = m.seq",
         )
         .bind(tenant)
         .fetch_all(&mut *tx)
         .await?;
+        let buckets_read = sqlx::query(&format!(
+            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE ($1 IS NULL OR tenant_id = $1)
+             ORDER BY tenant_id, resource_key, bucket"
+        ))
+        .bind(tenant)
+        .fetch_all(&mut *tx)
+        .await?;
         tx.commit().await?;
 
-        let resources = resources
+        let mut resources = resources
             .iter()
             .map(|row| Ok((row.try_get("tenant_id")?, resource_from_row(row)?)))
             .collect::<Result<Vec<_>, StorageError>>()?;
+        fold_all(&mut resources, bucket_rows(&buckets_read)?, true);
         reconcile_rows(resources, &sums, &latest)
     }
 

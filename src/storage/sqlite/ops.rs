@@ -4,16 +4,21 @@
 //! Statements are prepared once per connection (`prepare_cached`) and run in-process on the
 //! writer thread, so an order costs a few microseconds of SQLite work and no thread hops.
 
+use std::collections::{HashMap, HashSet};
+
 use rusqlite::{params, Connection, OptionalExtension, Row};
 use ulid::Ulid;
 
+use super::buckets;
+use crate::engine::admission;
 use crate::engine::order::decide;
 use crate::engine::{
-    Action, Kind, LedgerOp, LimitSpec, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason, Reservation,
-    ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
+    Action, BucketTake, Kind, LedgerOp, LimitSpec, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason,
+    Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
-use crate::problem::Problem;
-use crate::storage::rules::{line_refusal, new_request_id, reservation_lines_json, RESOURCE_COLUMNS};
+use crate::storage::rules::{
+    adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, RESOURCE_COLUMNS,
+};
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, StorageError, StoredResponse, Transition,
@@ -38,11 +43,11 @@ impl From<rusqlite::Error> for StorageError {
     }
 }
 
-fn corrupt(what: &str) -> StorageError {
+pub(super) fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
 }
 
-fn resource_from_row(row: &Row<'_>) -> rusqlite::Result<Result<ResourceState, StorageError>> {
+pub(super) fn resource_from_row(row: &Row<'_>) -> rusqlite::Result<Result<ResourceState, StorageError>> {
     let kind: String = row.get("kind")?;
     let status: String = row.get("status")?;
     let mode: String = row.get("mode")?;
@@ -63,6 +68,7 @@ fn resource_from_row(row: &Row<'_>) -> rusqlite::Result<Result<ResourceState, St
         mode,
         version: row.get("version")?,
         updated_at: Timestamp(row.get("updated_at")?),
+        bucket_counts: None,
     }))
 }
 
@@ -83,7 +89,7 @@ fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Reservation, S
 
 /// Counters a guarded UPDATE returned, for the ledger row.
 #[derive(Debug, Clone, Copy)]
-struct After {
+pub(super) struct After {
     available: i64,
     reserved: i64,
     consumed: i64,
@@ -91,7 +97,7 @@ struct After {
 }
 
 impl After {
-    fn from_row(row: &Row<'_>) -> rusqlite::Result<Self> {
+    pub(super) fn from_row(row: &Row<'_>) -> rusqlite::Result<Self> {
         Ok(Self {
             available: row.get("available")?,
             reserved: row.get("reserved")?,
@@ -102,23 +108,24 @@ impl After {
 }
 
 /// What the ledger row of one change records besides the counters.
-struct LedgerFacts<'a> {
-    tenant: &'a str,
-    resource: &'a str,
-    op: LedgerOp,
-    qty: i64,
-    request_id: &'a str,
-    order_id: Option<&'a str>,
-    reservation_id: Option<&'a str>,
-    plugin_version: Option<i64>,
-    now_ms: i64,
+pub(super) struct LedgerFacts<'a> {
+    pub tenant: &'a str,
+    pub resource: &'a str,
+    pub bucket: i64,
+    pub op: LedgerOp,
+    pub qty: i64,
+    pub request_id: &'a str,
+    pub order_id: Option<&'a str>,
+    pub reservation_id: Option<&'a str>,
+    pub plugin_version: Option<i64>,
+    pub now_ms: i64,
 }
 
-fn append_ledger(conn: &Connection, f: LedgerFacts<'_>, after: After) -> Result<(), StorageError> {
+pub(super) fn append_ledger(conn: &Connection, f: LedgerFacts<'_>, after: After) -> Result<(), StorageError> {
     conn.prepare_cached(
         "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
                              available_after, reserved_after, consumed_after, version_after, plugin_version, at)
-         VALUES (?1, ?2, 0, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+         VALUES (?1, ?2, ?14, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
     )?
     .execute(params![
         f.tenant,
@@ -133,7 +140,8 @@ fn append_ledger(conn: &Connection, f: LedgerFacts<'_>, after: After) -> Result<
         after.consumed,
         after.version,
         f.plugin_version,
-        f.now_ms
+        f.now_ms,
+        f.bucket
     ])?;
     Ok(())
 }
@@ -267,22 +275,30 @@ fn create_resource_as(
     plugin_version: Option<i64>,
     now_ms: i64,
 ) -> Result<Option<ResourceState>, StorageError> {
+    // A bucketed resource's row holds no counters: its buckets do.
+    let row_total = if res.buckets > 1 { 0 } else { res.total };
     let row = conn
         .prepare_cached(&format!(
             "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
                                     version, created_at, updated_at)
-             VALUES (?1, ?2, ?3, 'active', 'db', 1, ?4, ?4, 0, 0, 1, ?5, ?5)
+             VALUES (?1, ?2, ?3, 'active', 'db', ?6, ?4, ?4, 0, 0, 1, ?5, ?5)
              ON CONFLICT (tenant_id, key) DO NOTHING
              RETURNING {RESOURCE_COLUMNS}"
         ))?
-        .query_row(params![tenant.as_str(), res.key.as_str(), res.kind.as_str(), res.total, now_ms], |row| {
-            Ok((resource_from_row(row)?, After::from_row(row)?))
-        })
+        .query_row(
+            params![tenant.as_str(), res.key.as_str(), res.kind.as_str(), row_total, now_ms, res.buckets.max(1)],
+            |row| Ok((resource_from_row(row)?, After::from_row(row)?)),
+        )
         .optional()?;
     let Some((state, after)) = row else { return Ok(None) };
+    if res.buckets > 1 {
+        buckets::create_buckets(conn, tenant, res, plugin_version, now_ms)?;
+        return buckets::complete(conn, tenant.as_str(), state?).map(Some);
+    }
     let facts = LedgerFacts {
         tenant: tenant.as_str(),
         resource: res.key.as_str(),
+        bucket: 0,
         op: LedgerOp::Create,
         qty: res.total,
         request_id: "create",
@@ -302,12 +318,14 @@ pub fn set_resource_status(
     status: ResourceStatus,
     now_ms: i64,
 ) -> Result<Option<ResourceState>, StorageError> {
-    conn.prepare_cached(&format!(
-        "UPDATE resources SET status = ?1, updated_at = ?2 WHERE tenant_id = ?3 AND key = ?4 RETURNING {RESOURCE_COLUMNS}"
-    ))?
-    .query_row(params![status.as_str(), now_ms, tenant.as_str(), key.as_str()], resource_from_row)
-    .optional()?
-    .transpose()
+    let state = conn
+        .prepare_cached(&format!(
+            "UPDATE resources SET status = ?1, updated_at = ?2 WHERE tenant_id = ?3 AND key = ?4 RETURNING {RESOURCE_COLUMNS}"
+        ))?
+        .query_row(params![status.as_str(), now_ms, tenant.as_str(), key.as_str()], resource_from_row)
+        .optional()?
+        .transpose()?;
+    state.map(|state| buckets::complete(conn, tenant.as_str(), state)).transpose()
 }
 
 pub fn adjust(
@@ -320,6 +338,22 @@ pub fn adjust(
 ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError> {
     if let Some(previous) = idempotency_lookup(conn, tenant, idem)? {
         return Ok(Ok(previous));
+    }
+    let bucketed = conn
+        .prepare_cached(&format!(
+            "SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = ?1 AND key = ?2 AND buckets > 1"
+        ))?
+        .query_row(params![tenant.as_str(), key.as_str()], resource_from_row)
+        .optional()?
+        .transpose()?;
+    if let Some(state) = bucketed {
+        let available = buckets::complete(conn, tenant.as_str(), state.clone())?.available;
+        let response = match buckets::adjust(conn, tenant, state, delta, now_ms)? {
+            Some(state) => StoredResponse::json(200, &state)?,
+            None => StoredResponse::problem(&adjust_refusal(key, available, delta))?,
+        };
+        idempotency_store(conn, tenant, idem, &response, now_ms)?;
+        return Ok(Ok(Idempotent::Fresh(response)));
     }
     let row = conn
         .prepare_cached(&format!(
@@ -337,6 +371,7 @@ pub fn adjust(
             let facts = LedgerFacts {
                 tenant: tenant.as_str(),
                 resource: key.as_str(),
+                bucket: 0,
                 op: LedgerOp::Adjust,
                 qty: delta,
                 request_id: &request_id,
@@ -354,22 +389,7 @@ pub fn adjust(
                 .query_row(params![tenant.as_str(), key.as_str()], |row| row.get::<_, i64>(0))
                 .optional()?;
             let Some(available) = available else { return Ok(Err(AdjustRefusal::ResourceNotFound)) };
-            let problem = if delta < 0 {
-                Problem::new(
-                    409,
-                    "insufficient",
-                    "Insufficient stock",
-                    format!("{key} has {available} available, write-off of {} requested", -delta),
-                )
-            } else {
-                Problem::new(
-                    422,
-                    "total_out_of_range",
-                    "Total out of range",
-                    format!("{key} would exceed the largest total, {MAX_TOTAL}"),
-                )
-            };
-            StoredResponse::problem(&problem)?
+            StoredResponse::problem(&adjust_refusal(key, available, delta))?
         }
     };
     idempotency_store(conn, tenant, idem, &response, now_ms)?;
@@ -385,21 +405,36 @@ const RESERVE_SQL: &str = "UPDATE resources SET available = available - ?1, rese
     WHERE tenant_id = ?3 AND key = ?4 AND status = 'active' AND available >= ?1 AND (?5 IS NULL OR kind = ?5)
     RETURNING available, reserved, consumed, version";
 
-/// The `(status, kind, available)` of a resource, for judging lines.
+/// The `(status, kind, available, buckets)` of a resource, for judging lines; a bucketed
+/// resource's available is its buckets' sum.
 pub fn line_view(
     conn: &Connection,
     tenant: &str,
     resource: &str,
-) -> Result<Option<(String, String, i64)>, StorageError> {
+) -> Result<Option<(String, String, i64, i64)>, StorageError> {
     Ok(conn
-        .prepare_cached("SELECT status, kind, available FROM resources WHERE tenant_id = ?1 AND key = ?2")?
-        .query_row(params![tenant, resource], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+        .prepare_cached(
+            "SELECT status, kind,
+                    CASE WHEN buckets = 1 THEN available ELSE
+                      (SELECT COALESCE(SUM(b.available), 0) FROM resource_buckets b
+                       WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key) END,
+                    buckets
+             FROM resources r WHERE tenant_id = ?1 AND key = ?2",
+        )?
+        .query_row(params![tenant, resource], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?)))
         .optional()?)
+}
+
+/// `line_view` without the bucket count, as `line_refusal` takes it.
+fn judged(view: Option<(String, String, i64, i64)>) -> Option<(String, String, i64)> {
+    view.map(|(status, kind, available, _)| (status, kind, available))
 }
 
 /// Identity shared by every ledger row of one order.
 struct OrderFacts<'a> {
     tenant: &'a TenantId,
+    /// Picks the first bucket tried when the plan names none.
+    seed: u64,
     action: Action,
     request_id: &'a str,
     order_id: &'a str,
@@ -409,13 +444,14 @@ struct OrderFacts<'a> {
 }
 
 /// One guarded UPDATE of one target, creating the resource first when it is missing and the
-/// plan says so. `None`: applied; `Some(reason)`: refused, and nothing changed.
+/// plan says so. `Ok`: applied, with what each bucket gave (empty for a single-bucket
+/// resource); `Err(reason)`: refused, and nothing changed.
 fn apply_target(
     conn: &Connection,
     facts: &OrderFacts<'_>,
     qty: i64,
     target: &Target,
-) -> Result<Option<Reason>, StorageError> {
+) -> Result<Result<Vec<BucketTake>, Reason>, StorageError> {
     let (sql, op) = match facts.action {
         Action::Deduct => (DEDUCT_SQL, LedgerOp::Deduct),
         Action::Reserve => (RESERVE_SQL, LedgerOp::Reserve),
@@ -433,22 +469,47 @@ fn apply_target(
     let mut after = update(conn)?;
     if after.is_none() {
         let view = line_view(conn, tenant, target.resource.as_str())?;
-        if let (None, Some(allowance)) = (&view, target.create_if_missing) {
-            let kind = target.kind.unwrap_or(Kind::Quota);
-            let new = NewResource { key: target.resource.clone(), kind, total: allowance };
-            create_resource_as(conn, facts.tenant, &new, facts.plugin_version, facts.now_ms)?;
-            after = update(conn)?;
+        match (&view, target.create_if_missing) {
+            (None, Some(allowance)) => {
+                let kind = target.kind.unwrap_or(Kind::Quota);
+                let new = NewResource { key: target.resource.clone(), kind, total: allowance, buckets: 1 };
+                create_resource_as(conn, facts.tenant, &new, facts.plugin_version, facts.now_ms)?;
+                after = update(conn)?;
+            }
+            (Some((.., n)), _) if *n > 1 => {
+                // A bucketed resource's row holds no counters; its buckets take the line.
+                if let Some(reason) = line_refusal(judged(view.clone()), target, qty) {
+                    return Ok(Err(reason));
+                }
+                let how = match facts.action {
+                    Action::Deduct => buckets::Move::Deduct,
+                    Action::Reserve => buckets::Move::Reserve,
+                };
+                let bucket_facts = buckets::BucketFacts {
+                    tenant,
+                    resource: target.resource.as_str(),
+                    op,
+                    request_id: facts.request_id,
+                    order_id: Some(facts.order_id),
+                    reservation_id: facts.reservation_id,
+                    plugin_version: facts.plugin_version,
+                    now_ms: facts.now_ms,
+                };
+                return buckets::take(conn, &bucket_facts, how, target, *n, facts.seed, qty);
+            }
+            _ => {}
         }
     }
     let Some(after) = after else {
         // The guarded UPDATE refused, so some reason applies; `insufficient` if the row changed
         // shape in between (it cannot: this connection is the only writer).
         let view = line_view(conn, tenant, target.resource.as_str())?;
-        return Ok(Some(line_refusal(view, target, qty).unwrap_or(Reason::Insufficient)));
+        return Ok(Err(line_refusal(judged(view), target, qty).unwrap_or(Reason::Insufficient)));
     };
     let ledger = LedgerFacts {
         tenant,
         resource: target.resource.as_str(),
+        bucket: 0,
         op,
         qty,
         request_id: facts.request_id,
@@ -458,7 +519,7 @@ fn apply_target(
         now_ms: facts.now_ms,
     };
     append_ledger(conn, ledger, after)?;
-    Ok(None)
+    Ok(Ok(Vec::new()))
 }
 
 /// Counts `qty` against a per-user limit if it stays within `max`; `false`: it would not.
@@ -485,7 +546,11 @@ fn give_back_limit(conn: &Connection, tenant: &str, key: &str, qty: i64) -> Resu
 
 /// Applies one planned line: its limit (if any), then the first target that can take it. A
 /// line that fails leaves nothing behind.
-fn apply_line(conn: &Connection, facts: &OrderFacts<'_>, line: &PlannedLine) -> Result<LineResult, StorageError> {
+fn apply_line(
+    conn: &Connection,
+    facts: &OrderFacts<'_>,
+    line: &PlannedLine,
+) -> Result<(LineResult, Vec<BucketTake>), StorageError> {
     // Only a line with a limit, or one that may create a resource, can change something and
     // still fail; only those need a savepoint of their own.
     let nested = line.limit.is_some() || line.targets.iter().any(|t| t.create_if_missing.is_some());
@@ -494,7 +559,7 @@ fn apply_line(conn: &Connection, facts: &OrderFacts<'_>, line: &PlannedLine) -> 
     }
     let result = apply_line_inner(conn, facts, line)?;
     if nested {
-        if !result.applied() {
+        if !result.0.applied() {
             conn.prepare_cached("ROLLBACK TO line")?.execute([])?;
         }
         conn.prepare_cached("RELEASE line")?.execute([])?;
@@ -502,22 +567,26 @@ fn apply_line(conn: &Connection, facts: &OrderFacts<'_>, line: &PlannedLine) -> 
     Ok(result)
 }
 
-fn apply_line_inner(conn: &Connection, facts: &OrderFacts<'_>, line: &PlannedLine) -> Result<LineResult, StorageError> {
+fn apply_line_inner(
+    conn: &Connection,
+    facts: &OrderFacts<'_>,
+    line: &PlannedLine,
+) -> Result<(LineResult, Vec<BucketTake>), StorageError> {
     if let Some(limit) = &line.limit {
         if !take_limit(conn, facts.tenant, limit, line.qty)? {
-            return Ok(LineResult::Rejected(Reason::LimitExceeded));
+            return Ok((LineResult::Rejected(Reason::LimitExceeded), Vec::new()));
         }
     }
     let mut first_refusal = None;
     for (i, target) in line.targets.iter().enumerate() {
         match apply_target(conn, facts, line.qty, target)? {
-            None => return Ok(LineResult::Applied(i)),
-            Some(reason) => {
+            Ok(takes) => return Ok((LineResult::Applied(i), takes)),
+            Err(reason) => {
                 first_refusal.get_or_insert(reason);
             }
         }
     }
-    Ok(LineResult::Rejected(first_refusal.unwrap_or(Reason::ResourceNotFound)))
+    Ok((LineResult::Rejected(first_refusal.unwrap_or(Reason::ResourceNotFound)), Vec::new()))
 }
 
 pub fn execute_order(conn: &Connection, job: &OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
@@ -529,6 +598,7 @@ pub fn execute_order(conn: &Connection, job: &OrderJob, now_ms: i64) -> Result<O
         .then(|| (format!("rsv_{}", Ulid::new()), Timestamp(now_ms.saturating_add(job.ttl_ms))));
     let facts = OrderFacts {
         tenant: &job.tenant,
+        seed: bucket_seed(job.tenant.as_str(), job.idempotency.key.as_str()),
         action: job.order.action,
         request_id: &request_id,
         order_id: job.order.order_id.as_str(),
@@ -543,8 +613,9 @@ pub fn execute_order(conn: &Connection, job: &OrderJob, now_ms: i64) -> Result<O
         conn.prepare_cached("SAVEPOINT lines")?.execute([])?;
     }
     let mut results = vec![LineResult::Rejected(Reason::Skipped); job.plan.lines.len()];
+    let mut takes = vec![Vec::new(); job.plan.lines.len()];
     for i in sequence {
-        results[i] = apply_line(conn, &facts, &job.plan.lines[i])?;
+        (results[i], takes[i]) = apply_line(conn, &facts, &job.plan.lines[i])?;
     }
     let status = decide(&job.plan, &results);
     if nested {
@@ -553,9 +624,23 @@ pub fn execute_order(conn: &Connection, job: &OrderJob, now_ms: i64) -> Result<O
         }
         conn.prepare_cached("RELEASE lines")?.execute([])?;
     }
+    finish_order(conn, job, results, &takes, status, reservation, now_ms)
+}
+
+/// The end of an order decided either way: its reservation (if it holds anything), its
+/// document, and the idempotency record that replays it.
+fn finish_order(
+    conn: &Connection,
+    job: &OrderJob,
+    results: Vec<LineResult>,
+    takes: &[Vec<BucketTake>],
+    status: OrderStatus,
+    reservation: Option<(String, Timestamp)>,
+    now_ms: i64,
+) -> Result<OrderExecution, StorageError> {
     if status != OrderStatus::Rejected {
         if let Some((id, expires_at)) = &reservation {
-            insert_reservation(conn, job, &results, id, *expires_at, now_ms)?;
+            insert_reservation(conn, job, &results, takes, id, *expires_at, now_ms)?;
         }
     }
     let document = OrderDocument::build(&job.order, &job.plan, &results, reservation);
@@ -565,15 +650,138 @@ pub fn execute_order(conn: &Connection, job: &OrderJob, now_ms: i64) -> Result<O
     Ok(OrderExecution { response: Idempotent::Fresh(response), outcome: Some((status, results)) })
 }
 
+/// Decides many orders at once by in-memory admission (see [`crate::engine::admission`]):
+/// each resource row is read once, the orders are judged in sequence against it, each order
+/// still gets its own ledger rows, reservation and idempotency record, and each changed row is
+/// written once, guarded by the version it was read at. `None` for an order this path leaves
+/// to [`execute_order`] (limits, creation, buckets, or a second use of one key in the batch).
+/// Runs inside the caller's savepoint: on any error nothing of it stands.
+pub fn execute_orders_fast(
+    conn: &Connection,
+    orders: &[(&OrderJob, i64)],
+) -> Result<Vec<Option<OrderExecution>>, StorageError> {
+    let mut out = Vec::with_capacity(orders.len());
+    // Per tenant: the rows as admission left them, and the version each was read at.
+    let mut rows: HashMap<String, HashMap<String, admission::Row>> = HashMap::new();
+    let mut read_at: HashMap<(String, String), i64> = HashMap::new();
+    let mut keys_seen = HashSet::new();
+    let mut last_ms = 0;
+    for &(job, now_ms) in orders {
+        let tenant = job.tenant.as_str();
+        if !admission::admissible(&job.plan) || !keys_seen.insert((tenant, job.idempotency.key.as_str())) {
+            out.push(None);
+            continue;
+        }
+        if let Some(previous) = idempotency_lookup(conn, &job.tenant, &job.idempotency)? {
+            out.push(Some(OrderExecution { response: previous, outcome: None }));
+            continue;
+        }
+        let tenant_rows = rows.entry(tenant.to_string()).or_default();
+        for key in job.plan.resources() {
+            if tenant_rows.contains_key(key.as_str()) {
+                continue;
+            }
+            if let Some(row) = admission_row(conn, tenant, key.as_str())? {
+                read_at.insert((tenant.to_string(), key.to_string()), row.version);
+                tenant_rows.insert(key.to_string(), row);
+            }
+        }
+        let Some(admitted) = admission::admit(tenant_rows, &job.plan, job.order.action) else {
+            out.push(None);
+            continue;
+        };
+        last_ms = last_ms.max(now_ms);
+        let request_id = new_request_id();
+        let reservation = (job.order.action == Action::Reserve)
+            .then(|| (format!("rsv_{}", Ulid::new()), Timestamp(now_ms.saturating_add(job.ttl_ms))));
+        for change in &admitted.changes {
+            let facts = LedgerFacts {
+                tenant,
+                resource: &change.resource,
+                bucket: 0,
+                op: change.op,
+                qty: change.qty,
+                request_id: &request_id,
+                order_id: Some(job.order.order_id.as_str()),
+                reservation_id: reservation.as_ref().map(|(id, _)| id.as_str()),
+                plugin_version: Some(job.plan.planner.version),
+                now_ms,
+            };
+            let [available, reserved, consumed] = change.after;
+            append_ledger(conn, facts, After { available, reserved, consumed, version: change.version_after })?;
+        }
+        out.push(Some(finish_order(conn, job, admitted.results, &[], admitted.status, reservation, now_ms)?));
+    }
+    for (tenant, tenant_rows) in &rows {
+        for (key, row) in tenant_rows {
+            let Some(&version) = read_at.get(&(tenant.clone(), key.clone())) else { continue };
+            if row.version == version {
+                continue;
+            }
+            let written = conn
+                .prepare_cached(
+                    "UPDATE resources SET available = ?1, reserved = ?2, consumed = ?3, version = ?4, updated_at = ?5
+                     WHERE tenant_id = ?6 AND key = ?7 AND version = ?8",
+                )?
+                .execute(params![
+                    row.available,
+                    row.reserved,
+                    row.consumed,
+                    row.version,
+                    last_ms,
+                    tenant,
+                    key,
+                    version
+                ])?;
+            if written != 1 {
+                return Err(StorageError::Internal(format!("resource {key} changed under the writer")));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A resource row as admission judges it; `None` when there is no such resource.
+fn admission_row(conn: &Connection, tenant: &str, key: &str) -> Result<Option<admission::Row>, StorageError> {
+    let row = conn
+        .prepare_cached(
+            "SELECT kind, status, buckets, available, reserved, consumed, version FROM resources
+             WHERE tenant_id = ?1 AND key = ?2",
+        )?
+        .query_row(params![tenant, key], |row| {
+            Ok((
+                row.get::<_, String>(0)?,
+                row.get::<_, String>(1)?,
+                row.get(2)?,
+                row.get(3)?,
+                row.get(4)?,
+                row.get(5)?,
+                row.get(6)?,
+            ))
+        })
+        .optional()?;
+    let Some((kind, status, buckets, available, reserved, consumed, version)) = row else { return Ok(None) };
+    Ok(Some(admission::Row {
+        kind: Kind::from_db(&kind).ok_or_else(|| corrupt("resources.kind"))?,
+        active: status == ResourceStatus::Active.as_str(),
+        buckets,
+        available,
+        reserved,
+        consumed,
+        version,
+    }))
+}
+
 fn insert_reservation(
     conn: &Connection,
     job: &OrderJob,
     results: &[LineResult],
+    takes: &[Vec<BucketTake>],
     id: &str,
     expires_at: Timestamp,
     now_ms: i64,
 ) -> Result<(), StorageError> {
-    let lines = reservation_lines_json(job, results)?;
+    let lines = reservation_lines_json(job, results, takes)?;
     conn.prepare_cached(
         "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
          VALUES (?1, ?2, ?3, 'held', ?4, ?5, ?6, ?6)",
@@ -626,6 +834,31 @@ fn finish_reservation(
     let mut lines = reservation.lines.clone();
     lines.sort_by(|a, b| a.resource.cmp(&b.resource));
     for line in &lines {
+        if !line.buckets.is_empty() {
+            let how = if to == ReservationState::Confirmed { buckets::Move::Confirm } else { buckets::Move::Unreserve };
+            let facts = buckets::BucketFacts {
+                tenant,
+                resource: &line.resource,
+                op,
+                request_id: &reservation.id,
+                order_id: Some(&reservation.order_id),
+                reservation_id: Some(&reservation.id),
+                plugin_version: None,
+                now_ms,
+            };
+            for take in &line.buckets {
+                if !buckets::move_bucket(conn, &facts, how, take.bucket, take.qty)? {
+                    return Err(StorageError::Internal(format!(
+                        "bucket of reservation {} holds less than reserved",
+                        reservation.id
+                    )));
+                }
+            }
+            if let (Some(key), true) = (&line.limit_key, to != ReservationState::Confirmed) {
+                give_back_limit(conn, tenant, key, line.qty)?;
+            }
+            continue;
+        }
         let after = conn
             .prepare_cached(sql)?
             .query_row(params![line.qty, now_ms, tenant, line.resource], After::from_row)
@@ -636,6 +869,7 @@ fn finish_reservation(
         let facts = LedgerFacts {
             tenant,
             resource: &line.resource,
+            bucket: 0,
             op,
             qty: line.qty,
             request_id: &reservation.id,

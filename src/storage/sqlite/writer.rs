@@ -13,13 +13,50 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::storage::StorageError;
+use super::ops;
+use crate::storage::{OrderExecution, OrderJob, StorageError};
 
 /// Called once the batch's fate is known: `Ok` after a durable commit, `Err` if it failed.
 type Completion = Box<dyn FnOnce(Result<(), StorageError>) + Send>;
 /// A unit of work: runs its statements, then says whether it succeeded (kept) or not (rolled
 /// back to its savepoint), and how to answer its caller once the commit is known.
-type Job = Box<dyn FnOnce(&Connection) -> (bool, Completion) + Send>;
+type Work = Box<dyn FnOnce(&Connection) -> (bool, Completion) + Send>;
+
+/// What the writer is asked to do.
+enum Job {
+    Work(Work),
+    /// An order, which the writer may decide together with the batch's other orders by
+    /// in-memory admission (one read and one write per hot row per batch).
+    Order(Box<OrderWork>),
+}
+
+struct OrderWork {
+    job: OrderJob,
+    now_ms: i64,
+    reply: oneshot::Sender<Result<OrderExecution, StorageError>>,
+}
+
+impl OrderWork {
+    /// The order as a plain job, decided on its own in its own savepoint.
+    fn into_work(self) -> Work {
+        let OrderWork { job, now_ms, reply } = self;
+        Box::new(move |conn| {
+            let result = ops::execute_order(conn, &job, now_ms);
+            let ok = result.is_ok();
+            (ok, answer(reply, result))
+        })
+    }
+}
+
+fn answer<T: Send + 'static>(
+    reply: oneshot::Sender<Result<T, StorageError>>,
+    result: Result<T, StorageError>,
+) -> Completion {
+    Box::new(move |commit| {
+        // The caller may have gone away (client disconnected); its effects stand.
+        let _ = reply.send(commit.and(result));
+    })
+}
 
 /// The handle requests use to submit writes.
 #[derive(Clone)]
@@ -60,16 +97,20 @@ impl Writer {
         F: FnOnce(&Connection) -> Result<T, StorageError> + Send + 'static,
     {
         let (tx, rx) = oneshot::channel();
-        let job: Job = Box::new(move |conn| {
+        let job: Work = Box::new(move |conn| {
             let result = work(conn);
             let ok = result.is_ok();
-            let completion: Completion = Box::new(move |commit| {
-                // The caller may have gone away (client disconnected); its effects stand.
-                let _ = tx.send(commit.and(result));
-            });
-            (ok, completion)
+            (ok, answer(tx, result))
         });
-        self.queue.send(job).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
+        self.queue.send(Job::Work(job)).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
+        rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
+    }
+
+    /// Applies an order in the next batch and returns its outcome once that batch is durable.
+    pub async fn submit_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
+        let (reply, rx) = oneshot::channel();
+        let order = Job::Order(Box::new(OrderWork { job, now_ms, reply }));
+        self.queue.send(order).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }
 }
@@ -110,8 +151,18 @@ fn commit_batch(conn: &Connection, batch: &mut Vec<Job>) {
         return;
     }
     let mut completions = Vec::with_capacity(batch.len());
-    // Jobs left over after a savepoint failure are dropped: their callers get Unavailable.
+    let mut works = Vec::with_capacity(batch.len());
+    let mut orders = Vec::new();
     for job in std::mem::take(batch) {
+        match job {
+            Job::Work(work) => works.push(work),
+            Job::Order(order) => orders.push(*order),
+        }
+    }
+    // The orders first, together; those admission leaves alone run on their own below.
+    works.extend(admit_orders(conn, orders, &mut completions));
+    // Jobs left over after a savepoint failure are dropped: their callers get Unavailable.
+    for job in works {
         if let Err(err) = exec(conn, "SAVEPOINT job") {
             tracing::error!(error = %err, "writer could not open a savepoint");
             break;
@@ -136,6 +187,48 @@ fn commit_batch(conn: &Connection, batch: &mut Vec<Job>) {
             fail_all(conn, completions, "commit failed");
         }
     }
+}
+
+/// Decides the batch's orders together in one savepoint (see [`ops::execute_orders_fast`]),
+/// queueing the answers of those it decided; returns the rest as jobs of their own. If the
+/// savepoint fails as a whole, every order runs on its own instead.
+fn admit_orders(conn: &Connection, orders: Vec<OrderWork>, completions: &mut Vec<Completion>) -> Vec<Work> {
+    if orders.len() < 2 {
+        return orders.into_iter().map(OrderWork::into_work).collect();
+    }
+    if let Err(err) = exec(conn, "SAVEPOINT orders") {
+        tracing::error!(error = %err, "writer could not open a savepoint");
+        return orders.into_iter().map(OrderWork::into_work).collect();
+    }
+    let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&o.job, o.now_ms)).collect();
+    let decided = ops::execute_orders_fast(conn, &jobs);
+    let closed = match &decided {
+        Ok(_) => exec(conn, "RELEASE orders"),
+        Err(_) => exec(conn, "ROLLBACK TO orders").and_then(|_| exec(conn, "RELEASE orders")),
+    };
+    let outcomes = match (decided, closed) {
+        (Ok(outcomes), Ok(_)) => outcomes,
+        (Err(err), _) => {
+            tracing::warn!(error = %err, "batch admission failed; deciding its orders one by one");
+            Vec::new()
+        }
+        (Ok(_), Err(err)) => {
+            tracing::error!(error = %err, "writer could not close a savepoint");
+            Vec::new()
+        }
+    };
+    let mut rest = Vec::new();
+    let mut outcomes = outcomes.into_iter();
+    for order in orders {
+        match outcomes.next().flatten() {
+            Some(execution) => {
+                metrics::counter!("stockd_orders_admitted_in_batch_total").increment(1);
+                completions.push(answer(order.reply, Ok(execution)));
+            }
+            None => rest.push(order.into_work()),
+        }
+    }
+    rest
 }
 
 /// Runs a statement prepared once per connection: the savepoint statements run twice per

@@ -1,0 +1,208 @@
+//! In-memory admission: how a batch decides many orders against resource rows it has locked
+//! and read once, so that a hot row takes one UPDATE per batch instead of one per order.
+//!
+//! The rules are exactly those of the per-order guarded UPDATEs (see `storage::rules::
+//! line_refusal`): a target applies when its row exists with the plan's kind, is active and has
+//! enough available; a line takes its first target that applies; the plan's policy decides the
+//! order; a rejected order leaves nothing behind. Orders are admitted one after another against
+//! the rows as the earlier ones left them, so the batch's outcome is the outcome of running them
+//! in sequence. The storage backends write what this decides (the rows' new counters guarded by
+//! their version, one ledger row per change) and the CHECK constraints still stand behind it.
+//!
+//! Only plans without per-user limits and without create-if-missing targets, on single-bucket
+//! resources, are admitted here; everything else takes the per-order path.
+
+use std::collections::HashMap;
+
+use super::order::{decide, LineResult, OrderStatus, Reason};
+use super::plan::Plan;
+use super::types::{Action, Kind, LedgerOp};
+
+/// A resource row as the batch read it under its lock, and as admission leaves it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    pub kind: Kind,
+    pub active: bool,
+    pub buckets: i64,
+    pub available: i64,
+    pub reserved: i64,
+    pub consumed: i64,
+    pub version: i64,
+}
+
+/// One change admission made: a ledger row to write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub resource: String,
+    pub op: LedgerOp,
+    pub qty: i64,
+    /// The row's `available, reserved, consumed` after the change.
+    pub after: [i64; 3],
+    pub version_after: i64,
+}
+
+/// How one order fared.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admitted {
+    pub results: Vec<LineResult>,
+    pub status: OrderStatus,
+    /// Its changes, in the order made; empty when the order was rejected.
+    pub changes: Vec<Change>,
+}
+
+/// Whether admission can decide this plan alone (no per-user limits, no resource creation).
+pub fn admissible(plan: &Plan) -> bool {
+    plan.lines.iter().all(|l| l.limit.is_none() && l.targets.iter().all(|t| t.create_if_missing.is_none()))
+}
+
+/// Decides one order against `rows` (keyed by resource key; a key that is absent is a resource
+/// that does not exist) and applies its changes to them. `None`: a target is bucketed, so this
+/// order must take the per-order path; `rows` is then untouched.
+pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action) -> Option<Admitted> {
+    let bucketed = |key: &str| rows.get(key).is_some_and(|r| r.buckets != 1);
+    if plan.lines.iter().flat_map(|l| &l.targets).any(|t| bucketed(t.resource.as_str())) {
+        return None;
+    }
+    let op = match action {
+        Action::Deduct => LedgerOp::Deduct,
+        Action::Reserve => LedgerOp::Reserve,
+    };
+    let mut results = vec![LineResult::Rejected(Reason::Skipped); plan.lines.len()];
+    let mut changes = Vec::new();
+    let mut undo: Vec<(String, Row)> = Vec::new();
+    for i in plan.lock_sequence() {
+        let line = &plan.lines[i];
+        let mut first_refusal = None;
+        results[i] = LineResult::Rejected(Reason::ResourceNotFound);
+        for (t, target) in line.targets.iter().enumerate() {
+            let key = target.resource.as_str();
+            let refusal = match rows.get(key) {
+                None => Some(Reason::ResourceNotFound),
+                Some(row) if target.kind.is_some_and(|k| k != row.kind) => Some(Reason::ResourceNotFound),
+                Some(row) if !row.active => Some(Reason::ResourceInactive),
+                Some(row) if row.available < line.qty => Some(Reason::Insufficient),
+                Some(_) => None,
+            };
+            if let Some(reason) = refusal {
+                first_refusal.get_or_insert(reason);
+                continue;
+            }
+            let Some(row) = rows.get_mut(key) else { continue };
+            undo.push((key.to_string(), row.clone()));
+            row.available -= line.qty;
+            match action {
+                Action::Deduct => row.consumed += line.qty,
+                Action::Reserve => row.reserved += line.qty,
+            }
+            row.version += 1;
+            changes.push(Change {
+                resource: key.to_string(),
+                op,
+                qty: line.qty,
+                after: [row.available, row.reserved, row.consumed],
+                version_after: row.version,
+            });
+            results[i] = LineResult::Applied(t);
+            first_refusal = None;
+            break;
+        }
+        if let Some(reason) = first_refusal {
+            results[i] = LineResult::Rejected(reason);
+        }
+    }
+    let status = decide(plan, &results);
+    if status == OrderStatus::Rejected {
+        for (key, row) in undo.into_iter().rev() {
+            rows.insert(key, row);
+        }
+        changes.clear();
+    }
+    Some(Admitted { results, status, changes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::plan::{PartialPolicy, PlannedLine, PlannerRef, Target};
+    use crate::engine::ResourceKey;
+
+    fn row(available: i64) -> Row {
+        Row { kind: Kind::Inventory, active: true, buckets: 1, available, reserved: 0, consumed: 0, version: 1 }
+    }
+
+    fn plan(policy: PartialPolicy, lines: &[(&[&str], i64)]) -> Plan {
+        Plan {
+            planner: PlannerRef::builtin(),
+            policy,
+            lines: lines
+                .iter()
+                .enumerate()
+                .map(|(i, (targets, qty))| PlannedLine {
+                    line: i,
+                    qty: *qty,
+                    mandatory: false,
+                    targets: targets
+                        .iter()
+                        .map(|k| Target::plain(ResourceKey::parse((*k).to_string()).expect("key")))
+                        .collect(),
+                    limit: None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn orders_are_admitted_in_sequence_against_the_rows_as_left() {
+        let mut rows = HashMap::from([("a".to_string(), row(3))]);
+        let one = plan(PartialPolicy::AllOrNothing, &[(&["a"], 2)]);
+        let first = admit(&mut rows, &one, Action::Deduct).expect("admissible");
+        assert_eq!(first.status, OrderStatus::Succeeded);
+        assert_eq!(first.changes[0].after, [1, 0, 2]);
+        assert_eq!(first.changes[0].version_after, 2);
+        let second = admit(&mut rows, &one, Action::Deduct).expect("admissible");
+        assert_eq!(second.status, OrderStatus::Rejected);
+        assert_eq!(second.results, vec![LineResult::Rejected(Reason::Insufficient)]);
+        assert!(second.changes.is_empty());
+        assert_eq!(rows["a"].available, 1);
+    }
+
+    #[test]
+    fn a_rejected_all_or_nothing_order_leaves_every_row_as_it_was() {
+        let mut rows = HashMap::from([("a".to_string(), row(5)), ("b".to_string(), row(0))]);
+        let before = rows.clone();
+        let both = plan(PartialPolicy::AllOrNothing, &[(&["a"], 2), (&["b"], 1)]);
+        let admitted = admit(&mut rows, &both, Action::Reserve).expect("admissible");
+        assert_eq!(admitted.status, OrderStatus::Rejected);
+        assert_eq!(rows, before);
+        let partial = plan(PartialPolicy::AllowPartial, &[(&["a"], 2), (&["b"], 1), (&["zz"], 1)]);
+        let admitted = admit(&mut rows, &partial, Action::Reserve).expect("admissible");
+        assert_eq!(admitted.status, OrderStatus::Partial);
+        assert_eq!(
+            admitted.results,
+            vec![
+                LineResult::Applied(0),
+                LineResult::Rejected(Reason::Insufficient),
+                LineResult::Rejected(Reason::ResourceNotFound)
+            ]
+        );
+        assert_eq!((rows["a"].available, rows["a"].reserved), (3, 2));
+    }
+
+    #[test]
+    fn a_line_falls_back_to_its_next_target_and_bucketed_rows_are_left_to_the_slow_path() {
+        let mut rows = HashMap::from([("a".to_string(), row(0)), ("b".to_string(), row(4))]);
+        if let Some(r) = rows.get_mut("a") {
+            r.active = false;
+        }
+        let fallback = plan(PartialPolicy::AllOrNothing, &[(&["a", "b"], 3)]);
+        let admitted = admit(&mut rows, &fallback, Action::Deduct).expect("admissible");
+        assert_eq!(admitted.results, vec![LineResult::Applied(1)]);
+        assert_eq!(admitted.changes[0].resource, "b");
+        if let Some(r) = rows.get_mut("b") {
+            r.buckets = 4;
+        }
+        let before = rows.clone();
+        assert!(admit(&mut rows, &fallback, Action::Deduct).is_none());
+        assert_eq!(rows, before);
+    }
+}
