@@ -14,16 +14,21 @@ use super::error::ApiError;
 use super::extract::Tenant;
 use super::{idempotent_response, stored_response, SharedState};
 use crate::engine::{
-    Action, LineResult, Mode, OrderDocument, Reason, Reconciliation, ResourceKey, ResourceState, TenantId,
+    Action, LineResult, Mode, OrderDocument, Reason, Reconciliation, Reservation, ReservationLine, ReservationState,
+    ResourceKey, ResourceState, TenantId,
 };
-use crate::hotpath::{Bodies, Deducted, Deduction, HotError, Hotpath, RedisDrift};
+use crate::hotpath::{Bodies, Deducted, Deduction, HotError, Hotpath, RedisDrift, Reserve};
 use crate::storage::rules::new_request_id;
 use crate::storage::settle::{SettleRecord, SettlementFailure};
+use crate::storage::Transition;
 use crate::storage::{ContentType, Idempotent, OrderJob, StoredResponse};
 use crate::time::now_ms;
+use crate::time::Timestamp;
 
 /// Most settlement failures one reconciliation report lists (newest first).
 const MAX_FAILURES_SHOWN: u32 = 1_000;
+/// How long past its deadline Redis remembers which resource a reservation belongs to.
+const RESERVATION_MAP_EXTRA_S: i64 = 86_400;
 
 pub fn routes() -> Router<SharedState> {
     Router::new().route("/v1/resources/{key}/warm", post(warm))
@@ -87,14 +92,6 @@ pub async fn order(state: &SharedState, job: &OrderJob) -> Result<Option<Respons
             ))
         }
     };
-    if job.order.action != Action::Deduct {
-        return Err(ApiError::new(
-            422,
-            "redis_order_unsupported",
-            "Order not supported in redis mode",
-            "redis-mode resources take deductions only",
-        ));
-    }
     let target = &line.targets[0].resource;
     // The database knows every settled outcome, and keys used on the database path: a replay
     // after Redis lost its data, or a key reused for another resource, is answered from there.
@@ -103,7 +100,10 @@ pub async fn order(state: &SharedState, job: &OrderJob) -> Result<Option<Respons
             return Ok(Some(idempotent_response(previous)));
         }
     }
-    let document = |result: LineResult| OrderDocument::build(&job.order, &job.plan, &[result], None);
+    let now = now_ms();
+    let reservation = (job.order.action == Action::Reserve)
+        .then(|| (format!("rsv_{}", ulid::Ulid::new()), Timestamp(now.saturating_add(job.ttl_ms))));
+    let document = |result: LineResult| OrderDocument::build(&job.order, &job.plan, &[result], reservation.clone());
     let body = |result: LineResult| serde_json::to_string(&document(result)).map_err(|_| ApiError::internal());
     if hot.sold_out.contains(tenant, target.as_str()) {
         // Answered from memory, not stored: a retry after a restock may apply (API.md: `sold_out`
@@ -117,6 +117,20 @@ pub async fn order(state: &SharedState, job: &OrderJob) -> Result<Option<Respons
         return Ok(Some(stored_response(response, false)));
     }
     let applied = body(LineResult::Applied(0))?;
+    let held = reservation.as_ref().map(|(id, expires_at)| Reservation {
+        id: id.clone(),
+        order_id: job.order.order_id.to_string(),
+        state: ReservationState::Held,
+        lines: vec![ReservationLine {
+            key: job.order.lines.get(line.line).map(|l| l.key.to_string()).unwrap_or_default(),
+            resource: target.to_string(),
+            qty: line.qty,
+            limit_key: line.limit.as_ref().map(|l| l.key.to_string()),
+            buckets: Vec::new(),
+        }],
+        expires_at: *expires_at,
+    });
+    let lines = held.as_ref().map(|r| serde_json::to_string(&r.lines)).transpose().map_err(|_| ApiError::internal())?;
     let record = SettleRecord {
         t: tenant.to_string(),
         k: target.to_string(),
@@ -128,9 +142,22 @@ pub async fn order(state: &SharedState, job: &OrderJob) -> Result<Option<Respons
         body: applied.clone(),
         lim: line.limit.as_ref().map(|l| l.key.to_string()),
         pv: job.plan.planner.version,
-        at: now_ms(),
+        at: now,
+        op: held.as_ref().map(|_| "reserve".to_string()),
+        rsv: held.as_ref().map(|r| r.id.clone()),
+        exp: held.as_ref().map(|r| r.expires_at.0),
+        lines,
+    };
+    let reserve = match &held {
+        Some(r) => Some(Reserve {
+            id: r.id.clone(),
+            expires_at_ms: r.expires_at.0,
+            document: serde_json::to_string(r).map_err(|_| ApiError::internal())?,
+        }),
+        None => None,
     };
     let deduction = Deduction {
+        reserve,
         tenant: &job.tenant,
         key: target,
         qty: line.qty,
@@ -150,6 +177,13 @@ pub async fn order(state: &SharedState, job: &OrderJob) -> Result<Option<Respons
         Deducted::Fresh { outcome, status, body, available } => {
             if available == 0 {
                 hot.sold_out.set(tenant, target.as_str(), true);
+            }
+            if let (Some(r), "applied") = (&held, outcome.as_str()) {
+                // Until settled (milliseconds), confirm, release and GET find it through this.
+                let ttl_s = job.ttl_ms / 1000 + RESERVATION_MAP_EXTRA_S;
+                if let Err(err) = hot.map_reservation(tenant, &r.id, target.as_str(), ttl_s).await {
+                    tracing::warn!(error = %err, "recording a reservation's resource in redis failed");
+                }
             }
             metrics::counter!("stockd_redis_orders_total", "outcome" => outcome).increment(1);
             stored_response(StoredResponse { status, content_type: ContentType::Json, body }, false)
@@ -326,4 +360,49 @@ pub async fn warm(
     hot.warm(state.storage.as_ref(), &auth.tenant, &key).await.map_err(hot_error)?;
     let after = state.storage.get_resource(&auth.tenant, &key).await?.ok_or_else(missing)?;
     Ok(Json(hot.compare(&auth.tenant, &after).await.map_err(hot_error)?))
+}
+
+/// The resource of a reservation made in Redis on a redis-mode resource: from Redis while it
+/// may be unsettled, else from its database row. `None`: a database-path reservation.
+async fn reservation_home(
+    state: &SharedState,
+    hot: &Hotpath,
+    tenant: &TenantId,
+    id: &str,
+) -> Result<Option<String>, ApiError> {
+    if let Some(key) = hot.reservation_resource(tenant.as_str(), id).await.map_err(hot_error)? {
+        return Ok(Some(key));
+    }
+    let Some(row) = state.storage.get_reservation(tenant, id).await? else { return Ok(None) };
+    Ok(row.lines.first().map(|l| l.resource.clone()).filter(|r| hot.is_redis(tenant.as_str(), r)))
+}
+
+/// Confirms or releases a reservation made in Redis; `None` sends it down the database path
+/// (a database-path reservation, or one Redis no longer holds).
+pub async fn move_reservation(
+    state: &SharedState,
+    tenant: &TenantId,
+    id: &str,
+    to: ReservationState,
+) -> Result<Option<Transition>, ApiError> {
+    let Some(hot) = &state.hotpath else { return Ok(None) };
+    let Some(key) = reservation_home(state, hot, tenant, id).await? else { return Ok(None) };
+    let moved = hot.move_reservation(tenant.as_str(), &key, id, to.as_str(), now_ms()).await.map_err(hot_error)?;
+    let Some(reservation) = moved else { return Ok(None) };
+    let done = match to {
+        ReservationState::Confirmed => reservation.state == ReservationState::Confirmed,
+        _ => reservation.state != ReservationState::Confirmed,
+    };
+    Ok(Some(if done { Transition::Done(reservation) } else { Transition::Refused(reservation.state, reservation) }))
+}
+
+/// A reservation made in Redis, in its current state; `None`: ask the database.
+pub async fn get_reservation(
+    state: &SharedState,
+    tenant: &TenantId,
+    id: &str,
+) -> Result<Option<Reservation>, ApiError> {
+    let Some(hot) = &state.hotpath else { return Ok(None) };
+    let Some(key) = reservation_home(state, hot, tenant, id).await? else { return Ok(None) };
+    hot.get_reservation(tenant.as_str(), &key, id).await.map_err(hot_error)
 }

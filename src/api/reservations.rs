@@ -64,6 +64,9 @@ pub async fn get_reservation(
     Path(id): Path<String>,
 ) -> Result<Json<Reservation>, ApiError> {
     let id = checked_id(&id)?;
+    if let Some(held_in_redis) = super::hot::get_reservation(&state, &auth.tenant, id).await? {
+        return Ok(Json(held_in_redis));
+    }
     state.storage.get_reservation(&auth.tenant, id).await?.map(Json).ok_or_else(not_found)
 }
 
@@ -81,6 +84,9 @@ pub async fn confirm(
     Path(id): Path<String>,
 ) -> Result<Json<Reservation>, ApiError> {
     let id = checked_id(&id)?;
+    if let Some(moved) = super::hot::move_reservation(&state, &auth.tenant, id, ReservationState::Confirmed).await? {
+        return answer(moved);
+    }
     answer(state.storage.confirm_reservation(&auth.tenant, id, now_ms()).await?)
 }
 
@@ -98,6 +104,9 @@ pub async fn release(
     Path(id): Path<String>,
 ) -> Result<Json<Reservation>, ApiError> {
     let id = checked_id(&id)?;
+    if let Some(moved) = super::hot::move_reservation(&state, &auth.tenant, id, ReservationState::Released).await? {
+        return answer(moved);
+    }
     answer(state.storage.release_reservation(&auth.tenant, id, now_ms()).await?)
 }
 

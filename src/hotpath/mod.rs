@@ -84,6 +84,8 @@ pub struct Bodies {
 
 /// One deduction to run.
 pub struct Deduction<'a> {
+    /// `Some` for a reservation: its id, deadline and document.
+    pub reserve: Option<Reserve>,
     pub tenant: &'a TenantId,
     pub key: &'a ResourceKey,
     pub qty: i64,
@@ -94,11 +96,21 @@ pub struct Deduction<'a> {
     pub record: SettleRecord,
 }
 
+/// What a reservation made in Redis carries.
+pub struct Reserve {
+    pub id: String,
+    pub expires_at_ms: i64,
+    /// The reservation as `GET /v1/reservations/{id}` shows it (state `held`).
+    pub document: String,
+}
+
 /// Redis's view of one resource, for reconciliation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RedisView {
     pub available: i64,
     pub backlog: i64,
+    /// Stream entries not yet settled.
+    pub pending: i64,
     pub open: bool,
 }
 
@@ -110,6 +122,7 @@ pub struct Hotpath {
     /// Idempotency retention: how long Redis keeps each request's outcome.
     request_ttl_s: u64,
     deduct: Script,
+    transition: Script,
     ack: Script,
     gate: Script,
     load: Script,
@@ -142,6 +155,7 @@ impl Hotpath {
             settings: config.clone(),
             request_ttl_s: idempotency_retention_s.max(1),
             deduct: Script::new(scripts::DEDUCT),
+            transition: Script::new(scripts::TRANSITION),
             ack: Script::new(scripts::ACK),
             gate: Script::new(scripts::GATE),
             load: Script::new(scripts::LOAD),
@@ -174,6 +188,20 @@ impl Hotpath {
 
     fn request_key(&self, tenant: &str, key: &str, idempotency_key: &str) -> String {
         format!("{}:q:{idempotency_key}", self.base(tenant, key))
+    }
+
+    fn reservations_key(&self, tenant: &str, key: &str) -> String {
+        format!("{}:v", self.base(tenant, key))
+    }
+
+    fn deadlines_key(&self, tenant: &str, key: &str) -> String {
+        format!("{}:e", self.base(tenant, key))
+    }
+
+    /// Which resource a reservation made in Redis belongs to (its own slot: written after the
+    /// reserve script, read by confirm, release and GET).
+    fn reservation_map_key(&self, tenant: &str, id: &str) -> String {
+        format!("{}:{{rsv:{tenant}:{id}}}", self.prefix)
     }
 
     /// The pub/sub channel of sold-out and restock announcements.
@@ -243,7 +271,13 @@ impl Hotpath {
             .arg(&d.bodies.inactive)
             .arg(record)
             .arg(self.channel())
-            .arg(soldout::message(true, tenant, key));
+            .arg(soldout::message(true, tenant, key))
+            .key(self.reservations_key(tenant, key))
+            .key(self.deadlines_key(tenant, key));
+        match &d.reserve {
+            Some(r) => invocation.arg("reserve").arg(&r.id).arg(r.expires_at_ms).arg(&r.document),
+            None => invocation.arg("deduct").arg("").arg(0).arg(""),
+        };
         let mut conn = self.link.conn().await?;
         let reply: Result<(String, String, String, i64), RedisError> = invocation.invoke_async(&mut conn).await;
         let (outcome, code, body, available) = reply.inspect_err(|e| self.link.judge(e))?;
@@ -257,16 +291,83 @@ impl Hotpath {
         })
     }
 
-    /// Acknowledges a settled entry (see [`scripts::ACK`]).
-    pub async fn ack(&self, tenant: &str, key: &str, id: &str, qty: i64) -> Result<(), HotError> {
+    /// Remembers which resource a reservation made in Redis belongs to, for `ttl_s`.
+    pub async fn map_reservation(&self, tenant: &str, id: &str, key: &str, ttl_s: i64) -> Result<(), HotError> {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.reservation_map_key(tenant, id)).arg(key).arg("EX").arg(ttl_s.max(1));
+        let _: () = self.link.query(&cmd).await?;
+        Ok(())
+    }
+
+    /// The resource of a reservation made in Redis, if Redis knows it.
+    pub async fn reservation_resource(&self, tenant: &str, id: &str) -> Result<Option<String>, HotError> {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.reservation_map_key(tenant, id));
+        Ok(self.link.query(&cmd).await?)
+    }
+
+    /// A reservation's state and document as Redis holds them.
+    pub async fn reservation(&self, tenant: &str, key: &str, id: &str) -> Result<Option<(String, String)>, HotError> {
+        let mut cmd = redis::cmd("HMGET");
+        cmd.arg(self.reservations_key(tenant, key)).arg(format!("{id}:s")).arg(id);
+        let (state, doc): (Option<String>, Option<String>) = self.link.query(&cmd).await?;
+        Ok(state.zip(doc))
+    }
+
+    /// Moves a reservation held in Redis (see [`scripts::TRANSITION`]). `records`: the
+    /// settlement records of a confirm, a release and an expiry. Returns its state now and its
+    /// document, or `None` when Redis does not hold it.
+    pub async fn transition(
+        &self,
+        tenant: &str,
+        key: &str,
+        id: &str,
+        to: &str,
+        now_ms: i64,
+        records: [String; 3],
+    ) -> Result<Option<(String, String)>, HotError> {
+        let mut invocation = self.transition.key(self.resource_key(tenant, key));
+        invocation
+            .key(self.limits_key(tenant, key))
+            .key(self.stream_key(tenant, key))
+            .key(self.reservations_key(tenant, key))
+            .key(self.deadlines_key(tenant, key))
+            .arg(id)
+            .arg(to)
+            .arg(now_ms);
+        for record in &records {
+            invocation.arg(record);
+        }
+        invocation.arg(self.channel()).arg(soldout::message(false, tenant, key));
+        let mut conn = self.link.conn().await?;
+        let (state, doc): (String, String) =
+            invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
+        Ok((state != "unknown").then_some((state, doc)))
+    }
+
+    /// Reservations of the resource past their deadline, at most `limit`.
+    pub async fn due_reservations(
+        &self,
+        tenant: &str,
+        key: &str,
+        now_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<String>, HotError> {
+        let mut cmd = redis::cmd("ZRANGEBYSCORE");
+        cmd.arg(self.deadlines_key(tenant, key)).arg("-inf").arg(now_ms).arg("LIMIT").arg(0).arg(limit);
+        Ok(self.link.query(&cmd).await?)
+    }
+
+    /// Acknowledges a settled entry (see [`scripts::ACK`]); `delta` is the entry's `d`.
+    pub async fn ack(&self, tenant: &str, key: &str, id: &str, delta: i64) -> Result<(), HotError> {
         let mut invocation = self.ack.key(self.stream_key(tenant, key));
-        invocation.key(self.resource_key(tenant, key)).arg(GROUP).arg(id).arg(qty);
+        invocation.key(self.resource_key(tenant, key)).arg(GROUP).arg(id).arg(delta);
         let mut conn = self.link.conn().await?;
         let _: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
         Ok(())
     }
 
-    /// Opens or closes sales; returns whether Redis knows the resource, and its backlog.
+    /// Opens or closes sales; returns whether Redis knows the resource, and its unsettled entries.
     async fn set_open(&self, tenant: &str, key: &str, open: bool) -> Result<(bool, i64), HotError> {
         let mut invocation = self.gate.key(self.resource_key(tenant, key));
         invocation.arg(if open { "1" } else { "0" });
@@ -284,16 +385,16 @@ impl Hotpath {
     /// Closes the resource and waits until every sale made before is settled. On timeout the
     /// resource is reopened (if it was open) and the caller hears `DrainTimeout`.
     async fn close_and_drain(&self, tenant: &str, key: &str) -> Result<bool, HotError> {
-        let (exists, mut backlog) = self.set_open(tenant, key, false).await?;
+        let (exists, mut pending) = self.set_open(tenant, key, false).await?;
         let deadline = Instant::now() + Duration::from_millis(self.settings.drain_timeout_ms);
-        while exists && backlog != 0 {
+        while exists && pending != 0 {
             if Instant::now() >= deadline {
                 self.set_open(tenant, key, true).await?;
-                return Err(HotError::DrainTimeout(backlog));
+                return Err(HotError::DrainTimeout(pending));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
             let view = self.view(tenant, key).await?;
-            backlog = view.map(|v| v.backlog).unwrap_or(0);
+            pending = view.map(|v| v.pending).unwrap_or(0);
         }
         Ok(exists)
     }
@@ -317,7 +418,8 @@ impl Hotpath {
                 .arg(if inactive { "1" } else { "0" })
                 .arg(GROUP)
                 .arg(self.channel())
-                .arg(soldout::message(state.available == 0, t, k));
+                .arg(soldout::message(state.available == 0, t, k))
+                .arg(state.reserved);
             let mut conn = self.link.conn().await?;
             let (loaded, backlog): (i64, i64) =
                 invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
@@ -338,7 +440,11 @@ impl Hotpath {
     pub async fn drain_and_forget(&self, tenant: &str, key: &str) -> Result<(), HotError> {
         self.close_and_drain(tenant, key).await?;
         let mut invocation = self.forget.key(self.resource_key(tenant, key));
-        invocation.key(self.stream_key(tenant, key)).key(self.limits_key(tenant, key));
+        invocation
+            .key(self.stream_key(tenant, key))
+            .key(self.limits_key(tenant, key))
+            .key(self.reservations_key(tenant, key))
+            .key(self.deadlines_key(tenant, key));
         let mut conn = self.link.conn().await?;
         let left: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
         if left != 0 {
@@ -360,11 +466,13 @@ impl Hotpath {
     /// Redis's counters of a resource; `None` when Redis does not know it (cold).
     pub async fn view(&self, tenant: &str, key: &str) -> Result<Option<RedisView>, HotError> {
         let mut cmd = redis::cmd("HMGET");
-        cmd.arg(self.resource_key(tenant, key)).arg("avail").arg("backlog").arg("open");
-        let (available, backlog, open): (Option<i64>, Option<i64>, Option<String>) = self.link.query(&cmd).await?;
+        cmd.arg(self.resource_key(tenant, key)).arg("avail").arg("backlog").arg("open").arg("pending");
+        let (available, backlog, open, pending): (Option<i64>, Option<i64>, Option<String>, Option<i64>) =
+            self.link.query(&cmd).await?;
         Ok(available.map(|available| RedisView {
             available,
             backlog: backlog.unwrap_or(0),
+            pending: pending.unwrap_or(0),
             open: open.as_deref() == Some("1"),
         }))
     }
@@ -385,17 +493,20 @@ pub struct RedisDrift {
     /// `false` when Redis does not know the resource (never warmed, or its data was lost).
     pub warmed: bool,
     pub redis_available: i64,
-    /// Quantity sold in Redis and not yet settled into the database.
+    /// Available quantity sold (or, negative, returned) in Redis and not yet settled into the
+    /// database.
     pub backlog: i64,
+    /// Stream entries not yet settled.
+    pub unsettled: i64,
     pub database_available: i64,
     pub drift: i64,
 }
 
 impl RedisDrift {
     pub fn judge(state: &ResourceState, view: Option<RedisView>) -> Self {
-        let (warmed, redis_available, backlog) = match view {
-            Some(v) => (true, v.available, v.backlog),
-            None => (false, 0, 0),
+        let (warmed, redis_available, backlog, unsettled) = match view {
+            Some(v) => (true, v.available, v.backlog, v.pending),
+            None => (false, 0, 0, 0),
         };
         let drift = redis_available.saturating_add(backlog).saturating_sub(state.available);
         RedisDrift {
@@ -403,8 +514,66 @@ impl RedisDrift {
             warmed,
             redis_available,
             backlog,
+            unsettled,
             database_available: state.available,
             drift,
         }
+    }
+}
+
+impl Hotpath {
+    /// Moves a reservation made in Redis to `to` (`confirmed`, `released`, `expired`; a confirm
+    /// past its deadline expires it). Returns its state now and the reservation, or `None` when
+    /// Redis does not hold it.
+    pub async fn move_reservation(
+        &self,
+        tenant: &str,
+        key: &str,
+        id: &str,
+        to: &str,
+        now_ms: i64,
+    ) -> Result<Option<crate::engine::Reservation>, HotError> {
+        let Some(held) = self.get_reservation(tenant, key, id).await? else { return Ok(None) };
+        let limit = held.lines.first().and_then(|l| l.limit_key.clone());
+        let record = |op: &str| {
+            serde_json::to_string(&SettleRecord {
+                t: tenant.to_string(),
+                k: key.to_string(),
+                q: 0,
+                rid: format!("{id}:{op}"),
+                oid: held.order_id.clone(),
+                idem: String::new(),
+                h: String::new(),
+                body: String::new(),
+                lim: limit.clone(),
+                pv: 0,
+                at: now_ms,
+                op: Some(op.to_string()),
+                rsv: Some(id.to_string()),
+                exp: None,
+                lines: None,
+            })
+            .map_err(|e| HotError::Reply(e.to_string()))
+        };
+        let records = [record("confirm")?, record("release")?, record("expire")?];
+        let Some((state, _)) = self.transition(tenant, key, id, to, now_ms, records).await? else { return Ok(None) };
+        let state = crate::engine::ReservationState::from_db(&state)
+            .ok_or_else(|| HotError::Reply(format!("reservation state {state}")))?;
+        Ok(Some(crate::engine::Reservation { state, ..held }))
+    }
+
+    /// A reservation made in Redis, with its current state.
+    pub async fn get_reservation(
+        &self,
+        tenant: &str,
+        key: &str,
+        id: &str,
+    ) -> Result<Option<crate::engine::Reservation>, HotError> {
+        let Some((state, doc)) = self.reservation(tenant, key, id).await? else { return Ok(None) };
+        let held: crate::engine::Reservation =
+            serde_json::from_str(&doc).map_err(|e| HotError::Reply(format!("reservation document: {e}")))?;
+        let state = crate::engine::ReservationState::from_db(&state)
+            .ok_or_else(|| HotError::Reply(format!("reservation state {state}")))?;
+        Ok(Some(crate::engine::Reservation { state, ..held }))
     }
 }

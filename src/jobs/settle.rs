@@ -42,6 +42,11 @@ pub fn spawn(hot: Arc<Hotpath>, storage: Arc<dyn Storage>, mut shutdown: watch::
                 claimed = Instant::now();
             }
             let mut busy = false;
+            if claim {
+                for (tenant, key) in hot.redis_resources() {
+                    expire_due(&hot, &tenant, &key).await;
+                }
+            }
             for (tenant, key) in hot.redis_resources() {
                 match settle_stream(&hot, storage.as_ref(), &tenant, &key, claim).await {
                     Ok(n) => busy |= n > 0,
@@ -115,14 +120,14 @@ async fn settle_stream(
 /// whose outcome is committed. Returns how many were acknowledged.
 async fn apply(hot: &Hotpath, storage: &dyn Storage, tenant: &str, key: &str, entries: &[StreamId]) -> usize {
     let now = now_ms();
-    let records: Vec<(String, Option<SettleRecord>)> = entries
+    let records: Vec<(String, Option<SettleRecord>, Option<i64>)> = entries
         .iter()
         .map(|e| {
             let record = e.get::<String>("r").and_then(|r| serde_json::from_str::<SettleRecord>(&r).ok());
-            (e.id.clone(), record)
+            (e.id.clone(), record, e.get::<i64>("d"))
         })
         .collect();
-    let outcomes = join_all(records.iter().map(|(_, record)| async move {
+    let outcomes = join_all(records.iter().map(|(_, record, _)| async move {
         match record {
             Some(r) if r.t == tenant && r.k == key => Some(storage.settle(r, now).await),
             _ => None,
@@ -130,8 +135,10 @@ async fn apply(hot: &Hotpath, storage: &dyn Storage, tenant: &str, key: &str, en
     }))
     .await;
     let mut acked = 0;
-    for ((id, record), outcome) in records.iter().zip(outcomes) {
+    for ((id, record, delta), outcome) in records.iter().zip(outcomes) {
         let qty = record.as_ref().map(|r| r.q).unwrap_or(0);
+        // What the entry changed in Redis's available (the script wrote it beside the record).
+        let delta = delta.unwrap_or(qty);
         match outcome {
             Some(Ok(settled)) => {
                 let label = match settled {
@@ -161,10 +168,36 @@ async fn apply(hot: &Hotpath, storage: &dyn Storage, tenant: &str, key: &str, en
                 metrics::counter!("stockd_settlement_unreadable_total").increment(1);
             }
         }
-        match hot.ack(tenant, key, id, qty).await {
+        match hot.ack(tenant, key, id, delta).await {
             Ok(()) => acked += 1,
             Err(err) => tracing::warn!(error = %err, tenant, key, "acknowledging a settled entry failed"),
         }
     }
     acked
+}
+
+/// Most reservations one pass expires per resource.
+const EXPIRE_BATCH: usize = 100;
+
+/// Expires the resource's reservations made in Redis that are past their deadline (each
+/// exactly once: the script moves only a held one), which returns their stock to Redis and
+/// queues the expiry for settlement.
+async fn expire_due(hot: &Hotpath, tenant: &str, key: &str) {
+    let now = now_ms();
+    let due = match hot.due_reservations(tenant, key, now, EXPIRE_BATCH).await {
+        Ok(due) => due,
+        Err(err) => {
+            tracing::debug!(error = %err, tenant, key, "listing due reservations failed");
+            return;
+        }
+    };
+    for id in due {
+        match hot.move_reservation(tenant, key, &id, "expired", now).await {
+            Ok(Some(r)) if r.state == crate::engine::ReservationState::Expired => {
+                metrics::counter!("stockd_reservations_expired_total").increment(1);
+            }
+            Ok(_) => {}
+            Err(err) => tracing::warn!(error = %err, tenant, key, "expiring a reservation in redis failed"),
+        }
+    }
 }

@@ -40,6 +40,42 @@ pub struct SettleRecord {
     pub pv: i64,
     /// When Redis acknowledged it (Unix ms).
     pub at: i64,
+    /// `deduct` (when absent), `reserve`, or a move of a reservation made in Redis: `confirm`,
+    /// `release`, `expire` (whose quantity the database takes from the reservation's row).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<String>,
+    /// The reservation (reserve and moves).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rsv: Option<String>,
+    /// Reserve: the deadline (Unix ms) and the lines (JSON) of the reservation's database row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exp: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lines: Option<String>,
+}
+
+impl SettleRecord {
+    /// The record's operation; `deduct` when absent.
+    pub fn op(&self) -> &str {
+        self.op.as_deref().unwrap_or("deduct")
+    }
+}
+
+/// The state a move of a reservation leads to, and the ledger op it writes.
+pub fn move_target(op: &str) -> Option<(&'static str, &'static str)> {
+    match op {
+        "confirm" => Some(("confirmed", "confirm")),
+        "release" => Some(("released", "release")),
+        "expire" => Some(("expired", "expire")),
+        _ => None,
+    }
+}
+
+/// The quantity a reservation holds, from its stored lines (JSON).
+pub fn reserved_qty(lines: &str) -> Result<i64, StorageError> {
+    let lines: Vec<crate::engine::ReservationLine> =
+        serde_json::from_str(lines).map_err(|_| StorageError::Internal("unexpected reservation lines".into()))?;
+    Ok(lines.iter().map(|l| l.qty).sum())
 }
 
 /// How a settlement record ended in the database.

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use tokio::sync::Barrier;
 
 use crate::helpers::{
-    assert_counts, assert_problem, entries_with_op, plugin_wasm, spawn_app, unique, Backend, Reply, TestApp,
+    assert_counts, assert_problem, entries_with_op, plugin_wasm, reserve, spawn_app, unique, Backend, Reply, TestApp,
 };
 use crate::redis_support::{
     create_redis_resource, deduct_one, order_through_503, reconciliation, redis_app, redis_conn, redis_entry,
@@ -515,4 +515,60 @@ async fn a_sentinel_failover_mid_sale_surfaces_lost_writes_and_never_oversells()
 
     let warmed = shop.post("/v1/resources/sku-1/warm", &json!({})).await.expect_json(200);
     assert_eq!(warmed["drift"], 0, "{warmed}");
+}
+
+/// Reservations on a redis-mode resource: reserve, confirm at once (before settlement even),
+/// confirm again (same answer), release after confirm (409); release, release again, confirm
+/// after release (409); a short reservation expires by itself, exactly once, and is then 409
+/// to confirm and 200 to release. Once settled the database holds the same story: one ledger
+/// entry per move, the state replaying from the ledger, Redis and the database agreeing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_in_redis_mode_move_once_and_expire_by_themselves() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "[reservations]\nsweep_interval_ms = 200").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 10).await;
+
+    let reserve_one = |key: &'static str, qty: i64, ttl: u64| {
+        let shop = shop.clone();
+        async move {
+            let doc = shop.order(key, &reserve(key, &[("sku-1", qty)], Some(ttl))).await.expect_json(201);
+            doc["reservation_id"].as_str().expect("a reservation id").to_owned()
+        }
+    };
+    let kept = reserve_one("r1", 3, 60).await;
+    assert_eq!(shop.confirm(&kept).await.expect_json(200)["state"], "confirmed");
+    assert_eq!(shop.confirm(&kept).await.expect_json(200)["state"], "confirmed");
+    assert_problem(&shop.release(&kept).await, 409, "reservation_confirmed");
+
+    let dropped = reserve_one("r2", 1, 60).await;
+    assert_eq!(shop.release(&dropped).await.expect_json(200)["state"], "released");
+    assert_eq!(shop.release(&dropped).await.expect_json(200)["state"], "released");
+    assert_problem(&shop.confirm(&dropped).await, 409, "reservation_released");
+
+    let lapsed = reserve_one("r3", 2, 1).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let state = shop.reservation(&lapsed).await.expect_json(200);
+        if state["state"] == "expired" {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the reservation expired by itself: {state}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_problem(&shop.confirm(&lapsed).await, 409, "reservation_expired");
+    assert_eq!(shop.release(&lapsed).await.expect_json(200)["state"], "expired");
+
+    let report = wait_settled(&shop, "sku-1", 3).await;
+    assert_in_line(&report, "sku-1");
+    assert_counts(&shop.state("sku-1").await, 7, 0, 3, 10);
+    let ledger = shop.assert_ledger_replays_to_state("sku-1").await;
+    let count = |op: &str| entries_with_op(&ledger, op).len();
+    assert_eq!(
+        (count("reserve"), count("confirm"), count("release"), count("expire"), count("deduct")),
+        (3, 1, 1, 1, 0),
+        "one ledger entry per move"
+    );
+    for (id, state) in [(&kept, "confirmed"), (&dropped, "released"), (&lapsed, "expired")] {
+        assert_eq!(shop.reservation(id).await.expect_json(200)["state"], state);
+    }
 }

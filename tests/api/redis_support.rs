@@ -99,7 +99,7 @@ pub async fn wait_settled(shop: &TenantClient, key: &str, consumed: i64) -> Valu
         let state = shop.state(key).await;
         let report = reconciliation(shop).await;
         let entry = redis_entry(&report, key);
-        if state["consumed"] == consumed && entry["backlog"] == 0 {
+        if state["consumed"] == consumed && entry["backlog"] == 0 && entry["unsettled"] == 0 {
             return report;
         }
         assert!(
