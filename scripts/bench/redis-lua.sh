@@ -40,7 +40,8 @@ trap cleanup EXIT
 
 echo "redis-benchmark: EVALSHA deduct, $CLIENTS clients, $CALLS calls (CSV: rps and latency in ms)"
 redis-benchmark -h "$HOST" -p "$PORT" -c "$CLIENTS" -n "$CALLS" -r 1000000000 --csv \
-  EVALSHA "$sha" 4 "$res" "$PREFIX:{bench:k}:l" "$PREFIX:{bench:k}:q:__rand_int__" "$PREFIX:{bench:k}:x" \
+  EVALSHA "$sha" 6 "$res" "$PREFIX:{bench:k}:l" "$PREFIX:{bench:k}:q:__rand_int__" "$PREFIX:{bench:k}:x" \
+  "$PREFIX:{bench:k}:v" "$PREFIX:{bench:k}:e" \
   1 "" 0 "request-hash-0123456789abcdef" 86400 "$body" "$body" "$body" "$body" "$record" \
-  "$PREFIX:soldout" "0 bench k" | sed -E 's/^"EVALSHA[^"]*"/"EVALSHA deduct"/'
+  "$PREFIX:soldout" "0 bench k" deduct "" 0 "" | sed -E 's/^"EVALSHA[^"]*"/"EVALSHA deduct"/'
 echo "stock left: $(cli HGET "$res" avail) (of 1000000000000000)"
