@@ -2,7 +2,8 @@
 # Runs every check and test stockd has: formatting, lints, unit tests, and the black-box HTTP
 # suite against the real server binary on each storage backend (SQLite, then PostgreSQL).
 # This is the README's test command and exactly what CI runs. It starts PostgreSQL when none
-# answers on 127.0.0.1:5432, installing it from Debian's packages if it is missing.
+# answers on 127.0.0.1:5432 and Redis when none answers on 127.0.0.1:6379, installing either
+# from Debian's packages if it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,7 +34,26 @@ ensure_postgres() {
   as_root su postgres -c "psql -qc \"ALTER USER postgres PASSWORD 'postgres'\""
 }
 
+# Redis for the redis-mode tests (tests that stop or restart Redis start their own
+# redis-server on a free port). Redis keeps nothing on disk here: the tests make their own
+# snapshots where they need one.
+ensure_redis() {
+  command -v redis-server >/dev/null 2>&1 || {
+    echo "== installing redis-server"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  }
+  command -v redis-server >/dev/null 2>&1 || { echo "redis-server could not be installed" >&2; exit 1; }
+  answers 6379 && return 0
+  echo "== starting Redis (none answers on 127.0.0.1:6379)"
+  redis-server --port 6379 --bind 127.0.0.1 --save "" --appendonly no --daemonize yes >/dev/null
+  for _ in $(seq 1 60); do answers 6379 && break; sleep 0.25; done
+  answers 6379 || { echo "Redis did not start on 127.0.0.1:6379" >&2; exit 1; }
+}
+
 ensure_postgres
+ensure_redis
+export STOCKD_TEST_REDIS_URL="${STOCKD_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

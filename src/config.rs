@@ -136,10 +136,54 @@ impl Default for DatabaseConfig {
     }
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+/// Redis for resources in redis mode (flash sales); see `docs/REDIS.md`. Without `url`,
+/// `cluster_nodes` or `sentinels`, redis mode is off and such resources are refused.
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisConfig {
+    /// One Redis server, `redis://host:port/db`.
     pub url: Option<String>,
+    /// Or: seed nodes of a Redis Cluster.
+    pub cluster_nodes: Vec<String>,
+    /// Or: Sentinel addresses (`redis://host:port`) and the master's service name.
+    pub sentinels: Vec<String>,
+    pub sentinel_master: String,
+    /// Every key and channel stockd uses starts with this, so several deployments (or test
+    /// runs) can share one Redis.
+    pub prefix: String,
+    /// Longest a Redis command may take before the request answers 503 (connect included).
+    pub timeout_ms: u64,
+    /// Stream entries one consumer reads (and settles in one group commit) at a time.
+    pub settle_batch: usize,
+    /// How long the settlement consumer sleeps when every stream is empty.
+    pub settle_poll_ms: u64,
+    /// An entry delivered this long ago and still unacknowledged belongs to a consumer presumed
+    /// dead; any other consumer reclaims it (XAUTOCLAIM).
+    pub claim_idle_ms: u64,
+    /// How long a warm or a switch out of redis mode waits for the backlog to settle.
+    pub drain_timeout_ms: u64,
+    /// Read the database's idempotency record before each redis-mode sale, so a replay after
+    /// Redis lost its data (or of a key used on the database path) is answered from there. Off:
+    /// one database read less per sale; replays then rely on Redis alone.
+    pub replay_from_database: bool,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        Self {
+            url: None,
+            cluster_nodes: Vec::new(),
+            sentinels: Vec::new(),
+            sentinel_master: "mymaster".into(),
+            prefix: "stockd".into(),
+            timeout_ms: 1_000,
+            settle_batch: 256,
+            settle_poll_ms: 5,
+            claim_idle_ms: 5_000,
+            drain_timeout_ms: 10_000,
+            replay_from_database: true,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -299,6 +343,9 @@ impl Config {
         if let Some(v) = var("STOCKD_REDIS_URL") {
             self.redis.url = Some(v);
         }
+        if let Some(v) = var("STOCKD_REDIS_PREFIX") {
+            self.redis.prefix = v;
+        }
     }
 
     fn validate(&self) -> anyhow::Result<()> {
@@ -322,6 +369,14 @@ impl Config {
             if value == 0 {
                 bail!("{name} must be greater than 0");
             }
+        }
+        let redis_prefix_ok = (1..=64).contains(&self.redis.prefix.len())
+            && self.redis.prefix.bytes().all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
+        if !redis_prefix_ok {
+            bail!("redis.prefix must be 1-64 characters of [A-Za-z0-9._:-]");
+        }
+        if self.redis.timeout_ms == 0 || self.redis.settle_batch == 0 || self.redis.settle_batch > 10_000 {
+            bail!("redis.timeout_ms must be > 0 and redis.settle_batch between 1 and 10000");
         }
         if self.orders.max_lines > 1000 {
             bail!("orders.max_lines must be at most 1000");

@@ -5,7 +5,8 @@
 //! - [`api`]: the REST contract over axum: extractors, handlers, problem+json, OpenAPI.
 //! - [`engine`]: the pure domain: newtypes, plans, order outcomes, ledger arithmetic.
 //! - [`storage`]: the storage trait and its backends (SQLite, PostgreSQL), each with group commit.
-//! - [`jobs`]: reservation expiry, reconciliation, idempotency purge.
+//! - [`hotpath`]: redis mode (flash sales): Lua pre-deduction, stream write-behind, sold-out.
+//! - [`jobs`]: reservation expiry, reconciliation, idempotency purge, Redis settlement.
 //! - [`plugin`]: tenant planning plugins (WebAssembly components) run by wasmtime.
 //! - [`auth`]: API keys and the admin token (hashed, constant-time).
 //! - [`config`], [`startup`], [`cli`], [`telemetry`]: running the process.
@@ -17,6 +18,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod engine;
+pub mod hotpath;
 pub mod jobs;
 pub mod plugin;
 pub mod problem;

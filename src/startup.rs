@@ -180,6 +180,12 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             default_ttl_seconds: config.orders.default_ttl_seconds,
         },
         metrics: Some(metrics),
+        hotpath: crate::hotpath::Hotpath::from_config(
+            &config.redis,
+            config.idempotency.retention_hours.saturating_mul(3600),
+        )
+        .context("configuring redis")?
+        .map(Arc::new),
     });
     run(listener, state, &config, shutdown_signal()).await
 }
@@ -205,7 +211,16 @@ pub async fn run(
             .then(|| Duration::from_millis(config.buckets.rebalance_interval_ms)),
         rebalance_batch: config.buckets.rebalance_batch.max(1),
     };
-    let jobs = jobs::spawn(storage.clone(), job_settings, jobs_stopped);
+    let mut jobs = jobs::spawn(storage.clone(), job_settings, jobs_stopped.clone());
+    if let Some(hot) = &state.hotpath {
+        // Know the redis-mode resources before the first request (best effort: the settlement
+        // loop reads them again every second).
+        if let Err(err) = hot.refresh_modes(storage.as_ref()).await {
+            tracing::warn!(error = %err, "listing redis-mode resources failed");
+        }
+        jobs.push(jobs::settle::spawn(hot.clone(), storage.clone(), jobs_stopped.clone()));
+        jobs.push(crate::hotpath::soldout::spawn(hot.clone(), jobs_stopped));
+    }
 
     let (signalled_tx, mut signalled_rx) = watch::channel(false);
     let shutdown = async move {

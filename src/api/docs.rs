@@ -3,7 +3,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{admin, ops, orders, plugins, reservations, resources};
+use super::{admin, hot, ops, orders, plugins, reservations, resources};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -12,7 +12,7 @@ use super::{admin, ops, orders, plugins, reservations, resources};
         ops::healthz, ops::readyz, ops::metrics_text, ops::openapi,
         admin::create_tenant, admin::list_tenants, admin::create_api_key, admin::revoke_api_key,
         resources::create_resource, resources::get_resource, resources::list_resources, resources::patch_resource,
-        resources::adjust, resources::ledger,
+        resources::adjust, resources::ledger, hot::warm,
         orders::create_order, orders::dry_run,
         reservations::get_reservation, reservations::confirm, reservations::release, reservations::reconciliation,
         plugins::put_plugin, plugins::get_plugin, plugins::list_versions, plugins::activate,

@@ -5,6 +5,7 @@ pub mod admin;
 pub mod docs;
 pub mod error;
 pub mod extract;
+pub mod hot;
 pub mod ops;
 pub mod orders;
 pub mod plugins;
@@ -43,6 +44,8 @@ pub struct AppState {
     pub plugins: Arc<Registry>,
     pub settings: ApiSettings,
     pub metrics: Option<PrometheusHandle>,
+    /// Redis mode, when `[redis]` is configured.
+    pub hotpath: Option<Arc<crate::hotpath::Hotpath>>,
 }
 
 pub type SharedState = Arc<AppState>;
@@ -57,6 +60,7 @@ pub fn router(state: SharedState) -> Router {
         .merge(orders::routes())
         .merge(plugins::routes(state.plugins.host().limits().max_wasm_bytes))
         .merge(reservations::routes())
+        .merge(hot::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))

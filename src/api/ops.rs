@@ -26,13 +26,19 @@ pub async fn healthz() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], r#"{"status":"ok"}"#).into_response()
 }
 
-/// Storage is reachable and migrated.
+/// Storage is reachable and migrated (and Redis answers, when configured).
 #[utoipa::path(get, path = "/readyz", tag = "operations", responses(
     (status = 200, description = "ready"),
     (status = 503, description = "storage unreachable", body = crate::problem::Problem, content_type = "application/problem+json"),
 ))]
 pub async fn readyz(State(state): State<SharedState>) -> Result<Json<serde_json::Value>, ApiError> {
     state.storage.ready().await?;
+    if let Some(hot) = &state.hotpath {
+        hot.ready().await.map_err(|e| {
+            tracing::warn!(error = %e, "redis not ready");
+            ApiError::unavailable("redis is unavailable")
+        })?;
+    }
     Ok(Json(json!({"status": "ready"})))
 }
 

@@ -78,6 +78,9 @@ pub async fn create_order(
     let plan = plan(&state, &auth.tenant, &order, now).await?;
     let ttl_seconds = order.ttl_seconds.unwrap_or(state.settings.default_ttl_seconds);
     let job = OrderJob { tenant: auth.tenant, idempotency, order, plan, ttl_ms: ttl_seconds.saturating_mul(1000) };
+    if let Some(answered) = super::hot::order(&state, &job).await? {
+        return Ok(answered);
+    }
     let executed = state.storage.execute_order(job, now).await?;
     if let Some((status, lines)) = &executed.outcome {
         record_outcome(*status, lines);

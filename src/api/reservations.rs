@@ -8,7 +8,7 @@ use axum::{Json, Router};
 use super::error::ApiError;
 use super::extract::Tenant;
 use super::SharedState;
-use crate::engine::{Reconciliation, Reservation, ReservationState};
+use crate::engine::{Reservation, ReservationState};
 use crate::storage::Transition;
 use crate::time::now_ms;
 
@@ -64,6 +64,9 @@ pub async fn get_reservation(
     Path(id): Path<String>,
 ) -> Result<Json<Reservation>, ApiError> {
     let id = checked_id(&id)?;
+    if let Some(held_in_redis) = super::hot::get_reservation(&state, &auth.tenant, id).await? {
+        return Ok(Json(held_in_redis));
+    }
     state.storage.get_reservation(&auth.tenant, id).await?.map(Json).ok_or_else(not_found)
 }
 
@@ -81,6 +84,9 @@ pub async fn confirm(
     Path(id): Path<String>,
 ) -> Result<Json<Reservation>, ApiError> {
     let id = checked_id(&id)?;
+    if let Some(moved) = super::hot::move_reservation(&state, &auth.tenant, id, ReservationState::Confirmed).await? {
+        return answer(moved);
+    }
     answer(state.storage.confirm_reservation(&auth.tenant, id, now_ms()).await?)
 }
 
@@ -98,19 +104,23 @@ pub async fn release(
     Path(id): Path<String>,
 ) -> Result<Json<Reservation>, ApiError> {
     let id = checked_id(&id)?;
+    if let Some(moved) = super::hot::move_reservation(&state, &auth.tenant, id, ReservationState::Released).await? {
+        return answer(moved);
+    }
     answer(state.storage.release_reservation(&auth.tenant, id, now_ms()).await?)
 }
 
-/// Proves, for each of the tenant's resources, state == opening balance + ledger.
+/// Proves, for each of the tenant's resources, state == opening balance + ledger; compares
+/// Redis with the database for redis-mode resources; lists refused settlements.
 #[utoipa::path(get, path = "/v1/reconciliation", tag = "reconciliation", security(("api_key" = [])),
-    responses((status = 200, body = Reconciliation)))]
+    responses((status = 200, body = super::hot::ReconciliationReport)))]
 pub async fn reconciliation(
     Tenant(auth): Tenant,
     State(state): State<SharedState>,
-) -> Result<Json<Reconciliation>, ApiError> {
+) -> Result<Json<super::hot::ReconciliationReport>, ApiError> {
     let report = state.storage.reconcile(Some(&auth.tenant)).await?;
     if !report.drift.is_empty() {
         tracing::error!(tenant = %auth.tenant, resources = report.drift.len(), "reconciliation found drift");
     }
-    Ok(Json(report))
+    Ok(Json(super::hot::reconciliation(&state, &auth.tenant, report).await?))
 }

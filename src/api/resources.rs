@@ -39,7 +39,7 @@ pub struct CreateResource {
     /// back across buckets, so a line is refused only when the total available cannot cover it.
     #[serde(default)]
     pub buckets: Option<i64>,
-    /// Deduction path; this server supports "db".
+    /// Deduction path: "db" (default) or "redis" (needs `[redis]`; see docs/REDIS.md).
     #[serde(default)]
     pub mode: Option<Mode>,
 }
@@ -125,12 +125,9 @@ fn bucket_count(buckets: Option<i64>) -> Result<i64, ApiError> {
     }
 }
 
-fn only_supported(buckets: Option<i64>, mode: Option<Mode>) -> Result<(), ApiError> {
+fn only_supported(buckets: Option<i64>) -> Result<(), ApiError> {
     if buckets.is_some() {
         return Err(ApiError::validation("buckets", "a resource's bucket count is fixed at creation"));
-    }
-    if mode.is_some_and(|m| m != Mode::Db) {
-        return Err(ApiError::validation("mode", "only \"db\" is supported by this server"));
     }
     Ok(())
 }
@@ -153,9 +150,16 @@ pub async fn create_resource(
         return Err(ApiError::validation("total", format!("must be between 0 and {MAX_TOTAL}")));
     }
     let buckets = bucket_count(req.buckets)?;
-    only_supported(None, req.mode)?;
+    super::hot::check_mode(&state, req.mode)?;
+    if buckets != 1 && req.mode == Some(Mode::Redis) {
+        return Err(ApiError::validation("mode", "redis mode takes one bucket"));
+    }
     let new = NewResource { key: req.key, kind: req.kind, total: req.total, buckets };
     match state.storage.create_resource(&auth.tenant, &new, now_ms()).await? {
+        Some(created) if req.mode == Some(Mode::Redis) => {
+            let switched = super::hot::switch_mode(&state, &auth.tenant, &new.key, Mode::Redis).await?;
+            Ok((StatusCode::CREATED, Json(switched.unwrap_or(created))).into_response())
+        }
         Some(created) => Ok((StatusCode::CREATED, Json(created)).into_response()),
         None => Err(ApiError::new(
             409,
@@ -204,7 +208,7 @@ pub async fn list_resources(
     Ok(Json(ResourcePage { items, next_after }))
 }
 
-/// Activates or deactivates a resource.
+/// Activates or deactivates a resource, or switches its mode (warming or draining Redis).
 #[utoipa::path(patch, path = "/v1/resources/{key}", tag = "resources", request_body = PatchResource,
     security(("api_key" = [])), params(("key" = String, Path)),
     responses(
@@ -222,11 +226,18 @@ pub async fn patch_resource(
     if req.status.is_none() && req.buckets.is_none() && req.mode.is_none() {
         return Err(ApiError::validation("body", "give at least one of status, buckets, mode"));
     }
-    only_supported(req.buckets, req.mode)?;
-    let updated = match req.status {
+    only_supported(req.buckets)?;
+    super::hot::check_mode(&state, req.mode)?;
+    let mut updated = match req.status {
         Some(status) => state.storage.set_resource_status(&auth.tenant, &key, status, now_ms()).await?,
         None => state.storage.get_resource(&auth.tenant, &key).await?,
     };
+    if let (Some(mode), Some(_)) = (req.mode, &updated) {
+        updated = super::hot::switch_mode(&state, &auth.tenant, &key, mode).await?;
+    }
+    if let (Some(_), Some(resource)) = (req.status, &updated) {
+        super::hot::after_status(&state, resource, &auth.tenant).await?;
+    }
     updated.map(Json).ok_or_else(|| resource_not_found(key.as_str()))
 }
 
@@ -256,7 +267,16 @@ pub async fn adjust(
         return Err(ApiError::validation("reason", "must be at most 200 characters"));
     }
     let idem = body.idempotency(idem_key);
-    match state.storage.adjust(&auth.tenant, &idem, &key, req.delta, now_ms()).await? {
+    // A redis-mode resource is adjusted with its sales paused and settled, then re-warmed.
+    let hot = super::hot::redis_resource(&state, &auth.tenant, &key);
+    if let Some(hot) = hot {
+        super::hot::before_adjust(hot, &auth.tenant, &key).await?;
+    }
+    let adjusted = state.storage.adjust(&auth.tenant, &idem, &key, req.delta, now_ms()).await;
+    if let Some(hot) = hot {
+        super::hot::after_adjust(&state, hot, &auth.tenant, &key).await?;
+    }
+    match adjusted? {
         Ok(outcome) => Ok(idempotent_response(outcome)),
         Err(AdjustRefusal::ResourceNotFound) => Err(resource_not_found(key.as_str())),
     }

@@ -132,7 +132,7 @@ async fn classify(resp: Result<reqwest::Response, reqwest::Error>) -> (bool, boo
     (false, replayed, Some(reason.unwrap_or_else(|| format!("http_{}", status.as_u16()))))
 }
 
-fn record(stats: &mut Stats, started: Instant, outcome: &(bool, bool, Option<String>)) {
+pub(super) fn record(stats: &mut Stats, started: Instant, outcome: &(bool, bool, Option<String>)) {
     stats.latencies_us.push(u32::try_from(started.elapsed().as_micros()).unwrap_or(u32::MAX));
     stats.requests += 1;
     if outcome.0 {
@@ -146,7 +146,7 @@ fn record(stats: &mut Stats, started: Instant, outcome: &(bool, bool, Option<Str
     }
 }
 
-async fn order(t: &Target, idem: &str, body: &Value) -> (bool, bool, Option<String>) {
+pub(super) async fn order(t: &Target, idem: &str, body: &Value) -> (bool, bool, Option<String>) {
     let resp = t
         .client
         .post(format!("{}/v1/orders", t.base))

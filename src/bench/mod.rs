@@ -13,6 +13,7 @@
 
 pub mod baseline;
 pub mod load;
+pub mod redis_hot;
 pub mod server;
 
 use std::collections::BTreeMap;
@@ -59,7 +60,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     pub duration_secs: u64,
     /// Comma-separated scenarios: hot-key, uniform, multi-line, replay-storm, reserve-confirm,
-    /// ceiling, row-lock, guarded-per-request.
+    /// ceiling, row-lock, guarded-per-request; and redis-hot-key (needs STOCKD_REDIS_URL).
     #[arg(
         long,
         value_delimiter = ',',
@@ -173,6 +174,8 @@ fn summarize(
 enum Scenario {
     Http(Workload),
     Naive(Naive),
+    /// The hot key in redis mode ([`redis_hot`]).
+    RedisHotKey,
 }
 
 fn parse_scenario(name: &str) -> anyhow::Result<Scenario> {
@@ -185,6 +188,7 @@ fn parse_scenario(name: &str) -> anyhow::Result<Scenario> {
         "ceiling" => Scenario::Http(Workload::Ceiling),
         "row-lock" => Scenario::Naive(Naive::RowLock),
         "guarded-per-request" => Scenario::Naive(Naive::Guarded),
+        redis_hot::NAME => Scenario::RedisHotKey,
         other => bail!("unknown scenario {other:?}"),
     })
 }
@@ -239,6 +243,13 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                 let violations =
                     load::check(&target, *w, &stats).await.with_context(|| format!("checking {}", w.name()))?;
                 results.push(summarize(w.name(), args, stats, violations, server.peak_rss_kib()));
+            }
+            Scenario::RedisHotKey => {
+                eprintln!("bench: {} ...", redis_hot::NAME);
+                redis_hot::create_resource(&target).await?;
+                let stats = redis_hot::run(&target, args.clients, duration).await?;
+                let violations = redis_hot::check(&target, &stats).await?;
+                results.push(summarize(redis_hot::NAME, args, stats, violations, server.peak_rss_kib()));
             }
             Scenario::Naive(n) => {
                 let Some(db) = &server.db else {

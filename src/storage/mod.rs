@@ -5,6 +5,7 @@
 
 pub mod postgres;
 pub mod rules;
+pub mod settle;
 pub mod sqlite;
 
 use async_trait::async_trait;
@@ -189,7 +190,7 @@ pub struct OrderExecution {
 
 /// The storage contract. Every mutating method is atomic: it applies wholly or not at all.
 #[async_trait]
-pub trait Storage: Send + Sync + 'static {
+pub trait Storage: settle::SettleStore + Send + Sync + 'static {
     /// Storage is reachable and migrated.
     async fn ready(&self) -> Result<(), StorageError>;
 

@@ -19,6 +19,8 @@ mod isolation;
 mod ops;
 mod orders;
 mod plugins;
+mod redis_mode;
+mod redis_support;
 mod reservations;
 mod resources;
 mod tenants;

@@ -14,6 +14,7 @@
 mod admit;
 pub mod buckets;
 pub mod ops;
+pub mod settle;
 
 use std::str::FromStr;
 use std::sync::Mutex;

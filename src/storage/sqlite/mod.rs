@@ -3,6 +3,7 @@
 
 pub mod buckets;
 pub mod ops;
+pub mod settle;
 pub mod writer;
 
 use std::path::Path;

@@ -1,0 +1,115 @@
+//! `redis-hot-key`: the hot-key scenario on a resource in redis mode (docs/REDIS.md). The
+//! server must have Redis configured: `stockd bench` passes its environment on to the server it
+//! starts, so run it with `STOCKD_REDIS_URL=redis://127.0.0.1:6379`.
+//!
+//! After the run it waits (bounded) until every sale is settled into the database, then checks
+//! what the database path's scenarios check plus the Redis side: consumed == acknowledged
+//! successes, Redis agreeing with the database, no settlement failure.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+
+use super::load::{self, Target, TOTAL};
+use super::Stats;
+
+/// The scenario's name and its resource key.
+pub const NAME: &str = "redis-hot-key";
+const KEY: &str = "redis-hot-key:k0";
+/// How long the check waits for the settlement backlog to drain.
+const SETTLE_WAIT: Duration = Duration::from_secs(120);
+
+/// Creates the redis-mode resource (warmed by the server on creation).
+pub async fn create_resource(t: &Target) -> anyhow::Result<()> {
+    let resp = t
+        .client
+        .post(format!("{}/v1/resources", t.base))
+        .bearer_auth(&t.api_key)
+        .json(&json!({"key": KEY, "kind": "inventory", "total": TOTAL, "mode": "redis"}))
+        .send()
+        .await?;
+    let status = resp.status();
+    if !status.is_success() {
+        bail!(
+            "creating {KEY} in redis mode: {status} {} (is STOCKD_REDIS_URL set for the server?)",
+            resp.text().await.unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// `clients` closed loops of one-piece deductions of the redis-mode key until the deadline.
+pub async fn run(t: &Arc<Target>, clients: usize, duration: Duration) -> anyhow::Result<Stats> {
+    let started = Instant::now();
+    let deadline = started + duration;
+    let run = super::server::random_hex(3);
+    let handles: Vec<_> = (0..clients)
+        .map(|task| {
+            let (t, run) = (t.clone(), run.clone());
+            tokio::spawn(async move {
+                let mut stats = Stats::default();
+                let mut i: u64 = 0;
+                while Instant::now() < deadline {
+                    i += 1;
+                    let idem = format!("{NAME}-{run}-{task}-{i}");
+                    let sent = Instant::now();
+                    let body = json!({"order_id": idem, "action": "deduct", "lines": [{"key": KEY, "qty": 1}]});
+                    let outcome = load::order(&t, &idem, &body).await;
+                    if outcome.0 {
+                        stats.consumed_expected += 1;
+                    }
+                    load::record(&mut stats, sent, &outcome);
+                }
+                stats
+            })
+        })
+        .collect();
+    let mut total = Stats::default();
+    for h in handles {
+        total.merge(h.await.context("a bench client task failed")?);
+    }
+    total.elapsed = started.elapsed();
+    Ok(total)
+}
+
+/// GETs a path of the tenant's API as JSON.
+async fn get_json(t: &Target, path: &str) -> anyhow::Result<Value> {
+    let resp = t.client.get(format!("{}{path}", t.base)).bearer_auth(&t.api_key).send().await?;
+    resp.error_for_status()?.json().await.with_context(|| format!("GET {path}"))
+}
+
+/// Waits for the backlog to settle, then checks the invariants; returns the violations.
+pub async fn check(t: &Target, stats: &Stats) -> anyhow::Result<Vec<String>> {
+    let deadline = Instant::now() + SETTLE_WAIT;
+    let rec = loop {
+        let rec = get_json(t, "/v1/reconciliation").await?;
+        let backlog =
+            rec["redis"].as_array().and_then(|r| r.iter().find(|e| e["key"] == KEY)).map(|e| e["backlog"].clone());
+        if backlog == Some(json!(0)) || Instant::now() >= deadline {
+            break rec;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut problems = Vec::new();
+    let state = get_json(t, &format!("/v1/resources/{KEY}")).await?;
+    let get = |f: &str| state[f].as_i64().unwrap_or(-1);
+    let (a, r, c, total) = (get("available"), get("reserved"), get("consumed"), get("total"));
+    if a < 0 || r < 0 || c < 0 || a + r + c != total {
+        problems.push(format!("{KEY}: available {a} reserved {r} consumed {c} total {total}"));
+    }
+    if c != stats.consumed_expected {
+        problems.push(format!("consumed {c} != acknowledged successes {}", stats.consumed_expected));
+    }
+    if let Some(drift) = rec["drift"].as_array().filter(|d| !d.is_empty()) {
+        problems.push(format!("reconciliation drift: {}", Value::Array(drift.clone())));
+    }
+    for entry in rec["redis"].as_array().into_iter().flatten().filter(|e| e["drift"] != 0 || e["backlog"] != 0) {
+        problems.push(format!("redis against the database: {entry}"));
+    }
+    if let Some(failures) = rec["settlement_failures"].as_array().filter(|f| !f.is_empty()) {
+        problems.push(format!("{} settlement failures", failures.len()));
+    }
+    Ok(problems)
+}

@@ -1,0 +1,579 @@
+//! Redis mode (flash sales): resources whose sales are decided by an atomic Lua script in Redis
+//! and settled into the database afterwards (write-behind), the database staying the source of
+//! truth. `docs/REDIS.md` is the operator's guide; in short:
+//!
+//! - [`scripts::DEDUCT`] checks the per-user limit and the stock, records the request's outcome
+//!   under its idempotency key, decrements, and appends the settlement record to the resource's
+//!   stream, all in one script: no success exists in Redis without its queue entry.
+//! - [`crate::jobs::settle`] is the consumer-group loop every process runs: it applies each record with the
+//!   database's guarded UPDATE + ledger row (idempotent by request id), acknowledges after the
+//!   commit, reclaims entries of dead consumers, and records what the database refuses.
+//! - Warm ([`Hotpath::warm`]) closes the resource, waits until its backlog is settled, and loads
+//!   Redis from the database. Reconciliation compares Redis, the database and the backlog.
+//! - [`soldout`] keeps, per process, the resources Redis announced sold out, answered from
+//!   memory until a warm announces stock again.
+//!
+//! Keys: `<prefix>:{<tenant>:<key>}:<part>`; the hash tag makes every key of one resource live
+//! in one Redis Cluster slot, so each script touches one slot.
+
+pub mod link;
+pub mod scripts;
+pub mod soldout;
+
+use std::collections::HashSet;
+use std::sync::RwLock;
+use std::time::{Duration, Instant};
+
+use redis::{RedisError, Script};
+
+use self::link::{Link, Topology};
+use crate::config::RedisConfig;
+use crate::engine::{ResourceKey, ResourceState, TenantId};
+use crate::storage::settle::SettleRecord;
+use crate::storage::{Storage, StorageError};
+
+/// The consumer group every process's settlement consumer belongs to.
+pub const GROUP: &str = "settle";
+/// Most redis-mode resources one process tracks (and polls the streams of).
+pub const MAX_RESOURCES: u32 = 10_000;
+
+/// A failure of the hot path.
+#[derive(Debug, thiserror::Error)]
+pub enum HotError {
+    /// Redis could not be reached or did not answer in time; nothing is known to have applied.
+    #[error("redis unavailable: {0}")]
+    Redis(#[from] RedisError),
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    /// The backlog did not settle within the drain timeout; the resource was reopened.
+    #[error("the settlement backlog did not drain in time ({0} still unsettled)")]
+    DrainTimeout(i64),
+    #[error("unexpected reply from redis: {0}")]
+    Reply(String),
+}
+
+/// What Redis answered for one deduction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Deducted {
+    /// A fresh outcome (applied or refused), stored in Redis under the request's key.
+    Fresh {
+        outcome: String,
+        status: u16,
+        body: String,
+        available: i64,
+    },
+    /// The key's first outcome.
+    Replay {
+        status: u16,
+        body: String,
+    },
+    Mismatch,
+    /// Not warmed: Redis knows nothing of this resource (never loaded, or its data was lost).
+    Cold,
+    /// Closed while a warm or a mode switch drains its backlog.
+    Closed,
+}
+
+/// The bodies the script stores, one per possible outcome, built before it runs.
+pub struct Bodies {
+    pub applied: String,
+    pub insufficient: String,
+    pub limit: String,
+    pub inactive: String,
+}
+
+/// One deduction to run.
+pub struct Deduction<'a> {
+    /// `Some` for a reservation: its id, deadline and document.
+    pub reserve: Option<Reserve>,
+    pub tenant: &'a TenantId,
+    pub key: &'a ResourceKey,
+    pub qty: i64,
+    pub limit: Option<(&'a str, i64)>,
+    pub request_hash: &'a str,
+    pub idempotency_key: &'a str,
+    pub bodies: Bodies,
+    pub record: SettleRecord,
+}
+
+/// What a reservation made in Redis carries.
+pub struct Reserve {
+    pub id: String,
+    pub expires_at_ms: i64,
+    /// The reservation as `GET /v1/reservations/{id}` shows it (state `held`).
+    pub document: String,
+}
+
+/// Redis's view of one resource, for reconciliation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedisView {
+    pub available: i64,
+    pub backlog: i64,
+    /// Stream entries not yet settled.
+    pub pending: i64,
+    pub open: bool,
+}
+
+/// The hot path of one process.
+pub struct Hotpath {
+    link: Link,
+    prefix: String,
+    pub settings: RedisConfig,
+    /// Idempotency retention: how long Redis keeps each request's outcome.
+    request_ttl_s: u64,
+    deduct: Script,
+    transition: Script,
+    ack: Script,
+    gate: Script,
+    load: Script,
+    forget: Script,
+    /// The redis-mode resources, as last read from the database (and changed by this process).
+    modes: RwLock<HashSet<(String, String)>>,
+    pub sold_out: soldout::SoldOut,
+    /// This process's consumer name in the settlement group.
+    pub consumer: String,
+}
+
+fn topology(config: &RedisConfig) -> Option<Topology> {
+    if !config.cluster_nodes.is_empty() {
+        Some(Topology::Cluster(config.cluster_nodes.clone()))
+    } else if !config.sentinels.is_empty() {
+        Some(Topology::Sentinel { sentinels: config.sentinels.clone(), master: config.sentinel_master.clone() })
+    } else {
+        config.url.clone().map(Topology::Single)
+    }
+}
+
+impl Hotpath {
+    /// The hot path if Redis is configured; it connects lazily.
+    pub fn from_config(config: &RedisConfig, idempotency_retention_s: u64) -> anyhow::Result<Option<Self>> {
+        let Some(topology) = topology(config) else { return Ok(None) };
+        let link = Link::new(topology, Duration::from_millis(config.timeout_ms))?;
+        Ok(Some(Self {
+            link,
+            prefix: config.prefix.clone(),
+            settings: config.clone(),
+            request_ttl_s: idempotency_retention_s.max(1),
+            deduct: Script::new(scripts::DEDUCT),
+            transition: Script::new(scripts::TRANSITION),
+            ack: Script::new(scripts::ACK),
+            gate: Script::new(scripts::GATE),
+            load: Script::new(scripts::LOAD),
+            forget: Script::new(scripts::FORGET),
+            modes: RwLock::new(HashSet::new()),
+            sold_out: soldout::SoldOut::default(),
+            consumer: format!("stockd-{}", ulid::Ulid::new()),
+        }))
+    }
+
+    pub fn link(&self) -> &Link {
+        &self.link
+    }
+
+    fn base(&self, tenant: &str, key: &str) -> String {
+        format!("{}:{{{tenant}:{key}}}", self.prefix)
+    }
+
+    pub fn resource_key(&self, tenant: &str, key: &str) -> String {
+        format!("{}:r", self.base(tenant, key))
+    }
+
+    pub fn stream_key(&self, tenant: &str, key: &str) -> String {
+        format!("{}:x", self.base(tenant, key))
+    }
+
+    fn limits_key(&self, tenant: &str, key: &str) -> String {
+        format!("{}:l", self.base(tenant, key))
+    }
+
+    fn request_key(&self, tenant: &str, key: &str, idempotency_key: &str) -> String {
+        format!("{}:q:{idempotency_key}", self.base(tenant, key))
+    }
+
+    fn reservations_key(&self, tenant: &str, key: &str) -> String {
+        format!("{}:v", self.base(tenant, key))
+    }
+
+    fn deadlines_key(&self, tenant: &str, key: &str) -> String {
+        format!("{}:e", self.base(tenant, key))
+    }
+
+    /// Which resource a reservation made in Redis belongs to (its own slot: written after the
+    /// reserve script, read by confirm, release and GET).
+    fn reservation_map_key(&self, tenant: &str, id: &str) -> String {
+        format!("{}:{{rsv:{tenant}:{id}}}", self.prefix)
+    }
+
+    /// The pub/sub channel of sold-out and restock announcements.
+    pub fn channel(&self) -> String {
+        format!("{}:soldout", self.prefix)
+    }
+
+    /// Redis answers.
+    pub async fn ready(&self) -> Result<(), HotError> {
+        let pong: String = self.link.query(&redis::cmd("PING")).await?;
+        if pong == "PONG" {
+            Ok(())
+        } else {
+            Err(HotError::Reply(pong))
+        }
+    }
+
+    /// Whether this resource is in redis mode, as far as this process knows.
+    pub fn is_redis(&self, tenant: &str, key: &str) -> bool {
+        self.modes.read().map(|m| m.contains(&(tenant.to_string(), key.to_string()))).unwrap_or(false)
+    }
+
+    /// Every redis-mode resource this process knows of.
+    pub fn redis_resources(&self) -> Vec<(String, String)> {
+        self.modes.read().map(|m| m.iter().cloned().collect()).unwrap_or_default()
+    }
+
+    /// Records a mode this process just changed, before the next refresh reads it back.
+    pub fn mark(&self, tenant: &str, key: &str, redis: bool) {
+        if let Ok(mut modes) = self.modes.write() {
+            let id = (tenant.to_string(), key.to_string());
+            if redis {
+                modes.insert(id);
+            } else {
+                modes.remove(&id);
+            }
+        }
+    }
+
+    /// Re-reads which resources are in redis mode (every process, every second).
+    pub async fn refresh_modes(&self, storage: &dyn Storage) -> Result<(), StorageError> {
+        let found = storage.redis_resources(MAX_RESOURCES).await?;
+        let set = found.into_iter().map(|(t, k)| (t.to_string(), k.to_string())).collect();
+        if let Ok(mut modes) = self.modes.write() {
+            *modes = set;
+        }
+        Ok(())
+    }
+
+    /// Runs the deduct script for one order line.
+    pub async fn deduct(&self, d: Deduction<'_>) -> Result<Deducted, HotError> {
+        let (tenant, key) = (d.tenant.as_str(), d.key.as_str());
+        let record = serde_json::to_string(&d.record).map_err(|e| HotError::Reply(e.to_string()))?;
+        let mut invocation = self.deduct.key(self.resource_key(tenant, key));
+        invocation
+            .key(self.limits_key(tenant, key))
+            .key(self.request_key(tenant, key, d.idempotency_key))
+            .key(self.stream_key(tenant, key))
+            .arg(d.qty)
+            .arg(d.limit.map(|(k, _)| k).unwrap_or(""))
+            .arg(d.limit.map(|(_, max)| max).unwrap_or(0))
+            .arg(d.request_hash)
+            .arg(self.request_ttl_s)
+            .arg(&d.bodies.applied)
+            .arg(&d.bodies.insufficient)
+            .arg(&d.bodies.limit)
+            .arg(&d.bodies.inactive)
+            .arg(record)
+            .arg(self.channel())
+            .arg(soldout::message(true, tenant, key))
+            .key(self.reservations_key(tenant, key))
+            .key(self.deadlines_key(tenant, key));
+        match &d.reserve {
+            Some(r) => invocation.arg("reserve").arg(&r.id).arg(r.expires_at_ms).arg(&r.document),
+            None => invocation.arg("deduct").arg("").arg(0).arg(""),
+        };
+        let mut conn = self.link.conn().await?;
+        let reply: Result<(String, String, String, i64), RedisError> = invocation.invoke_async(&mut conn).await;
+        let (outcome, code, body, available) = reply.inspect_err(|e| self.link.judge(e))?;
+        let status = code.parse::<u16>().map_err(|_| HotError::Reply(format!("status {code}")))?;
+        Ok(match outcome.as_str() {
+            "replay" => Deducted::Replay { status, body },
+            "mismatch" => Deducted::Mismatch,
+            "cold" => Deducted::Cold,
+            "closed" => Deducted::Closed,
+            _ => Deducted::Fresh { outcome, status, body, available },
+        })
+    }
+
+    /// Remembers which resource a reservation made in Redis belongs to, for `ttl_s`.
+    pub async fn map_reservation(&self, tenant: &str, id: &str, key: &str, ttl_s: i64) -> Result<(), HotError> {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.reservation_map_key(tenant, id)).arg(key).arg("EX").arg(ttl_s.max(1));
+        let _: () = self.link.query(&cmd).await?;
+        Ok(())
+    }
+
+    /// The resource of a reservation made in Redis, if Redis knows it.
+    pub async fn reservation_resource(&self, tenant: &str, id: &str) -> Result<Option<String>, HotError> {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.reservation_map_key(tenant, id));
+        Ok(self.link.query(&cmd).await?)
+    }
+
+    /// A reservation's state and document as Redis holds them.
+    pub async fn reservation(&self, tenant: &str, key: &str, id: &str) -> Result<Option<(String, String)>, HotError> {
+        let mut cmd = redis::cmd("HMGET");
+        cmd.arg(self.reservations_key(tenant, key)).arg(format!("{id}:s")).arg(id);
+        let (state, doc): (Option<String>, Option<String>) = self.link.query(&cmd).await?;
+        Ok(state.zip(doc))
+    }
+
+    /// Moves a reservation held in Redis (see [`scripts::TRANSITION`]). `records`: the
+    /// settlement records of a confirm, a release and an expiry. Returns its state now and its
+    /// document, or `None` when Redis does not hold it.
+    pub async fn transition(
+        &self,
+        tenant: &str,
+        key: &str,
+        id: &str,
+        to: &str,
+        now_ms: i64,
+        records: [String; 3],
+    ) -> Result<Option<(String, String)>, HotError> {
+        let mut invocation = self.transition.key(self.resource_key(tenant, key));
+        invocation
+            .key(self.limits_key(tenant, key))
+            .key(self.stream_key(tenant, key))
+            .key(self.reservations_key(tenant, key))
+            .key(self.deadlines_key(tenant, key))
+            .arg(id)
+            .arg(to)
+            .arg(now_ms);
+        for record in &records {
+            invocation.arg(record);
+        }
+        invocation.arg(self.channel()).arg(soldout::message(false, tenant, key));
+        let mut conn = self.link.conn().await?;
+        let (state, doc): (String, String) =
+            invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
+        Ok((state != "unknown").then_some((state, doc)))
+    }
+
+    /// Reservations of the resource past their deadline, at most `limit`.
+    pub async fn due_reservations(
+        &self,
+        tenant: &str,
+        key: &str,
+        now_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<String>, HotError> {
+        let mut cmd = redis::cmd("ZRANGEBYSCORE");
+        cmd.arg(self.deadlines_key(tenant, key)).arg("-inf").arg(now_ms).arg("LIMIT").arg(0).arg(limit);
+        Ok(self.link.query(&cmd).await?)
+    }
+
+    /// Acknowledges a settled entry (see [`scripts::ACK`]); `delta` is the entry's `d`.
+    pub async fn ack(&self, tenant: &str, key: &str, id: &str, delta: i64) -> Result<(), HotError> {
+        let mut invocation = self.ack.key(self.stream_key(tenant, key));
+        invocation.key(self.resource_key(tenant, key)).arg(GROUP).arg(id).arg(delta);
+        let mut conn = self.link.conn().await?;
+        let _: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
+        Ok(())
+    }
+
+    /// Opens or closes sales; returns whether Redis knows the resource, and its unsettled entries.
+    async fn set_open(&self, tenant: &str, key: &str, open: bool) -> Result<(bool, i64), HotError> {
+        let mut invocation = self.gate.key(self.resource_key(tenant, key));
+        invocation.arg(if open { "1" } else { "0" });
+        let mut conn = self.link.conn().await?;
+        let (exists, backlog): (i64, i64) =
+            invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
+        Ok((exists == 1, backlog))
+    }
+
+    /// Closes the resource for sales until the next warm, once its backlog is settled.
+    pub async fn drain(&self, tenant: &str, key: &str) -> Result<(), HotError> {
+        self.close_and_drain(tenant, key).await.map(|_| ())
+    }
+
+    /// Closes the resource and waits until every sale made before is settled. On timeout the
+    /// resource is reopened (if it was open) and the caller hears `DrainTimeout`.
+    async fn close_and_drain(&self, tenant: &str, key: &str) -> Result<bool, HotError> {
+        let (exists, mut pending) = self.set_open(tenant, key, false).await?;
+        let deadline = Instant::now() + Duration::from_millis(self.settings.drain_timeout_ms);
+        while exists && pending != 0 {
+            if Instant::now() >= deadline {
+                self.set_open(tenant, key, true).await?;
+                return Err(HotError::DrainTimeout(pending));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let view = self.view(tenant, key).await?;
+            pending = view.map(|v| v.pending).unwrap_or(0);
+        }
+        Ok(exists)
+    }
+
+    /// Loads Redis from the database: closes sales, lets the backlog settle, then sets the
+    /// stock to the database's available and reopens. Announces the stock to every process (a
+    /// sold-out mark is cleared, or set if the stock is zero).
+    pub async fn warm(&self, storage: &dyn Storage, tenant: &TenantId, key: &ResourceKey) -> Result<(), HotError> {
+        let (t, k) = (tenant.as_str(), key.as_str());
+        self.close_and_drain(t, k).await?;
+        let deadline = Instant::now() + Duration::from_millis(self.settings.drain_timeout_ms);
+        loop {
+            // Read after the drain: nothing settles between this read and the load (the
+            // resource is closed and its backlog is zero, which the script checks again).
+            let Some(state) = storage.get_resource(tenant, key).await? else { return Ok(()) };
+            let inactive = state.status != crate::engine::ResourceStatus::Active;
+            let mut invocation = self.load.key(self.resource_key(t, k));
+            invocation
+                .key(self.stream_key(t, k))
+                .arg(state.available)
+                .arg(if inactive { "1" } else { "0" })
+                .arg(GROUP)
+                .arg(self.channel())
+                .arg(soldout::message(state.available == 0, t, k))
+                .arg(state.reserved);
+            let mut conn = self.link.conn().await?;
+            let (loaded, backlog): (i64, i64) =
+                invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
+            if loaded == 1 {
+                self.sold_out.set(t, k, state.available == 0);
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                self.set_open(t, k, true).await?;
+                return Err(HotError::DrainTimeout(backlog));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Takes a resource out of Redis before it leaves redis mode: closes it, waits for its
+    /// backlog to settle, and deletes its keys.
+    pub async fn drain_and_forget(&self, tenant: &str, key: &str) -> Result<(), HotError> {
+        self.close_and_drain(tenant, key).await?;
+        let mut invocation = self.forget.key(self.resource_key(tenant, key));
+        invocation
+            .key(self.stream_key(tenant, key))
+            .key(self.limits_key(tenant, key))
+            .key(self.reservations_key(tenant, key))
+            .key(self.deadlines_key(tenant, key));
+        let mut conn = self.link.conn().await?;
+        let left: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
+        if left != 0 {
+            self.set_open(tenant, key, true).await?;
+            return Err(HotError::DrainTimeout(left));
+        }
+        self.sold_out.set(tenant, key, false);
+        Ok(())
+    }
+
+    /// Marks the resource active or inactive in Redis as well (a no-op while it is cold).
+    pub async fn set_inactive(&self, tenant: &str, key: &str, inactive: bool) -> Result<(), HotError> {
+        let mut cmd = redis::cmd("HSET");
+        cmd.arg(self.resource_key(tenant, key)).arg("inactive").arg(if inactive { "1" } else { "0" });
+        let _: i64 = self.link.query(&cmd).await?;
+        Ok(())
+    }
+
+    /// Redis's counters of a resource; `None` when Redis does not know it (cold).
+    pub async fn view(&self, tenant: &str, key: &str) -> Result<Option<RedisView>, HotError> {
+        let mut cmd = redis::cmd("HMGET");
+        cmd.arg(self.resource_key(tenant, key)).arg("avail").arg("backlog").arg("open").arg("pending");
+        let (available, backlog, open, pending): (Option<i64>, Option<i64>, Option<String>, Option<i64>) =
+            self.link.query(&cmd).await?;
+        Ok(available.map(|available| RedisView {
+            available,
+            backlog: backlog.unwrap_or(0),
+            pending: pending.unwrap_or(0),
+            open: open.as_deref() == Some("1"),
+        }))
+    }
+
+    /// Compares Redis with the database for one redis-mode resource.
+    pub async fn compare(&self, tenant: &TenantId, state: &ResourceState) -> Result<RedisDrift, HotError> {
+        let view = self.view(tenant.as_str(), &state.key).await?;
+        Ok(RedisDrift::judge(state, view))
+    }
+}
+
+/// Redis against the database for one redis-mode resource. `drift` is what Redis would sell
+/// beyond (positive) or short of (negative) the database once its backlog is settled:
+/// `redis_available + backlog - database_available`. Zero when they agree.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct RedisDrift {
+    pub key: String,
+    /// `false` when Redis does not know the resource (never warmed, or its data was lost).
+    pub warmed: bool,
+    pub redis_available: i64,
+    /// Available quantity sold (or, negative, returned) in Redis and not yet settled into the
+    /// database.
+    pub backlog: i64,
+    /// Stream entries not yet settled.
+    pub unsettled: i64,
+    pub database_available: i64,
+    pub drift: i64,
+}
+
+impl RedisDrift {
+    pub fn judge(state: &ResourceState, view: Option<RedisView>) -> Self {
+        let (warmed, redis_available, backlog, unsettled) = match view {
+            Some(v) => (true, v.available, v.backlog, v.pending),
+            None => (false, 0, 0, 0),
+        };
+        let drift = redis_available.saturating_add(backlog).saturating_sub(state.available);
+        RedisDrift {
+            key: state.key.clone(),
+            warmed,
+            redis_available,
+            backlog,
+            unsettled,
+            database_available: state.available,
+            drift,
+        }
+    }
+}
+
+impl Hotpath {
+    /// Moves a reservation made in Redis to `to` (`confirmed`, `released`, `expired`; a confirm
+    /// past its deadline expires it). Returns its state now and the reservation, or `None` when
+    /// Redis does not hold it.
+    pub async fn move_reservation(
+        &self,
+        tenant: &str,
+        key: &str,
+        id: &str,
+        to: &str,
+        now_ms: i64,
+    ) -> Result<Option<crate::engine::Reservation>, HotError> {
+        let Some(held) = self.get_reservation(tenant, key, id).await? else { return Ok(None) };
+        let limit = held.lines.first().and_then(|l| l.limit_key.clone());
+        let record = |op: &str| {
+            serde_json::to_string(&SettleRecord {
+                t: tenant.to_string(),
+                k: key.to_string(),
+                q: 0,
+                rid: format!("{id}:{op}"),
+                oid: held.order_id.clone(),
+                idem: String::new(),
+                h: String::new(),
+                body: String::new(),
+                lim: limit.clone(),
+                pv: 0,
+                at: now_ms,
+                op: Some(op.to_string()),
+                rsv: Some(id.to_string()),
+                exp: None,
+                lines: None,
+            })
+            .map_err(|e| HotError::Reply(e.to_string()))
+        };
+        let records = [record("confirm")?, record("release")?, record("expire")?];
+        let Some((state, _)) = self.transition(tenant, key, id, to, now_ms, records).await? else { return Ok(None) };
+        let state = crate::engine::ReservationState::from_db(&state)
+            .ok_or_else(|| HotError::Reply(format!("reservation state {state}")))?;
+        Ok(Some(crate::engine::Reservation { state, ..held }))
+    }
+
+    /// A reservation made in Redis, with its current state.
+    pub async fn get_reservation(
+        &self,
+        tenant: &str,
+        key: &str,
+        id: &str,
+    ) -> Result<Option<crate::engine::Reservation>, HotError> {
+        let Some((state, doc)) = self.reservation(tenant, key, id).await? else { return Ok(None) };
+        let held: crate::engine::Reservation =
+            serde_json::from_str(&doc).map_err(|e| HotError::Reply(format!("reservation document: {e}")))?;
+        let state = crate::engine::ReservationState::from_db(&state)
+            .ok_or_else(|| HotError::Reply(format!("reservation state {state}")))?;
+        Ok(Some(crate::engine::Reservation { state, ..held }))
+    }
+}

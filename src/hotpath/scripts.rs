@@ -1,0 +1,168 @@
+//! The Lua scripts of redis mode. Each runs atomically in Redis, is sent once and then called
+//! by its SHA (`EVALSHA`, reloaded by the client on `NOSCRIPT`), and touches only keys of one
+//! resource, which all share the hash tag `{tenant:key}` and so one Redis Cluster slot.
+//!
+//! Numbers: quantities are at most 10^12 and totals 10^15, below 2^53, so Lua's doubles hold
+//! them exactly.
+
+/// Deducts or reserves one order line, or answers its first outcome again.
+///
+/// KEYS[1] the resource hash: `avail` (stock Redis may sell), `reserved`, `backlog` (available
+///         quantity sold or returned here and not yet settled into the database, signed),
+///         `pending` (stream entries not yet settled), `open` ("1" sells; "0" while a warm or a
+///         mode switch drains the stream), `inactive` ("1" refuses as the resource is inactive)
+/// KEYS[2] the resource's per-user limit counters (hash: limit key -> used)
+/// KEYS[3] this request's record (hash: `h` request hash, `c` status code, `b` body)
+/// KEYS[4] the resource's settlement stream
+/// KEYS[5] the resource's reservations (hash: `<id>` document, `<id>:s` state, `<id>:q` qty,
+///         `<id>:l` limit key, `<id>:e` deadline in Unix ms)
+/// KEYS[6] the resource's reservation deadlines (sorted set, score = deadline)
+///
+/// ARGV[1] qty; ARGV[2] limit key or ""; ARGV[3] limit max; ARGV[4] request hash;
+/// ARGV[5] request record TTL (s); ARGV[6] body if applied; ARGV[7] body if insufficient;
+/// ARGV[8] body if over the limit; ARGV[9] body if inactive; ARGV[10] the settlement record;
+/// ARGV[11] the sold-out channel; ARGV[12] the sold-out message; ARGV[13] "deduct" or
+/// "reserve"; reserve only: ARGV[14] reservation id, ARGV[15] deadline (Unix ms), ARGV[16] the
+/// reservation document.
+///
+/// Returns `{outcome, code, body, avail}`; outcome is `applied`, `insufficient`, `limit`,
+/// `inactive`, `replay`, `mismatch`, `cold` (not warmed: nothing known) or `closed` (draining).
+/// A success exists only together with its stream entry: both are written by this one script.
+pub const DEDUCT: &str = r#"
+local prev = redis.call('HMGET', KEYS[3], 'h', 'c', 'b')
+if prev[1] then
+  if prev[1] ~= ARGV[4] then return {'mismatch', '422', '', -1} end
+  return {'replay', prev[2], prev[3], -1}
+end
+local st = redis.call('HMGET', KEYS[1], 'avail', 'open', 'inactive')
+if not st[1] then return {'cold', '503', '', -1} end
+if st[2] ~= '1' then return {'closed', '503', '', -1} end
+local qty = tonumber(ARGV[1])
+local avail = tonumber(st[1])
+local outcome, code, body
+if st[3] == '1' then
+  outcome, code, body = 'inactive', '409', ARGV[9]
+elseif ARGV[2] ~= '' and tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0') + qty > tonumber(ARGV[3]) then
+  outcome, code, body = 'limit', '409', ARGV[8]
+elseif avail < qty then
+  outcome, code, body = 'insufficient', '409', ARGV[7]
+else
+  outcome, code, body = 'applied', '201', ARGV[6]
+  avail = avail - qty
+  redis.call('HSET', KEYS[1], 'avail', avail)
+  redis.call('HINCRBY', KEYS[1], 'backlog', qty)
+  redis.call('HINCRBY', KEYS[1], 'pending', 1)
+  if ARGV[2] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[2], qty) end
+  if ARGV[13] == 'reserve' then
+    local id = ARGV[14]
+    redis.call('HINCRBY', KEYS[1], 'reserved', qty)
+    redis.call('HSET', KEYS[5], id, ARGV[16], id .. ':s', 'held', id .. ':q', qty, id .. ':l', ARGV[2], id .. ':e', ARGV[15])
+    redis.call('ZADD', KEYS[6], ARGV[15], id)
+  end
+  redis.call('XADD', KEYS[4], '*', 'r', ARGV[10], 'd', qty)
+  if avail == 0 then redis.call('PUBLISH', ARGV[11], ARGV[12]) end
+end
+redis.call('HSET', KEYS[3], 'h', ARGV[4], 'c', code, 'b', body)
+redis.call('EXPIRE', KEYS[3], ARGV[5])
+return {outcome, code, body, avail}
+"#;
+
+/// Moves a held reservation to `confirmed`, `released` or `expired`, once: a confirm past the
+/// deadline expires it instead. Its quantity leaves `reserved` (back to `avail` unless
+/// confirmed, with the per-user limit given back), and the move is appended to the stream.
+///
+/// KEYS[1] the resource hash; KEYS[2] the limit counters; KEYS[3] the stream; KEYS[4] the
+/// reservations; KEYS[5] the deadlines. ARGV[1] id; ARGV[2] target state; ARGV[3] now (Unix ms);
+/// ARGV[4..6] the settlement record of a confirm, a release, an expiry; ARGV[7] the channel;
+/// ARGV[8] the message announcing stock again.
+///
+/// Returns `{state, document}`: the state it is in now (`unknown` if Redis does not hold it)
+/// and its document (as reserved; the caller sets the state).
+pub const TRANSITION: &str = r#"
+local id = ARGV[1]
+local st = redis.call('HGET', KEYS[4], id .. ':s')
+if not st then return {'unknown', ''} end
+local doc = redis.call('HGET', KEYS[4], id)
+if st ~= 'held' then return {st, doc} end
+local to = ARGV[2]
+local deadline = tonumber(redis.call('HGET', KEYS[4], id .. ':e'))
+if to == 'confirmed' and deadline <= tonumber(ARGV[3]) then to = 'expired' end
+local qty = tonumber(redis.call('HGET', KEYS[4], id .. ':q'))
+local limit = redis.call('HGET', KEYS[4], id .. ':l')
+redis.call('HINCRBY', KEYS[1], 'reserved', -qty)
+local delta, record = 0, ARGV[4]
+if to ~= 'confirmed' then
+  local before = tonumber(redis.call('HGET', KEYS[1], 'avail') or '0')
+  redis.call('HINCRBY', KEYS[1], 'avail', qty)
+  if limit and limit ~= '' then redis.call('HINCRBY', KEYS[2], limit, -qty) end
+  delta = -qty
+  if to == 'released' then record = ARGV[5] else record = ARGV[6] end
+  if before == 0 then redis.call('PUBLISH', ARGV[7], ARGV[8]) end
+end
+redis.call('HSET', KEYS[4], id .. ':s', to)
+redis.call('ZREM', KEYS[5], id)
+redis.call('HINCRBY', KEYS[1], 'backlog', delta)
+redis.call('HINCRBY', KEYS[1], 'pending', 1)
+redis.call('XADD', KEYS[3], '*', 'r', record, 'd', delta)
+return {to, doc}
+"#;
+
+/// Acknowledges one settled stream entry: the first acknowledgement (only) removes the entry
+/// and takes it off the backlog, so a redelivered entry is never subtracted twice.
+///
+/// KEYS[1] the stream; KEYS[2] the resource hash. ARGV[1] group; ARGV[2] entry id; ARGV[3] the
+/// entry's change of available (`d`).
+///
+/// A script that fails half-way keeps its earlier writes, so every argument is checked before
+/// the first write, and the arithmetic is written so that a zero delta stays `0` (Lua's `-0`
+/// reaches Redis as "-0", which HINCRBY refuses).
+pub const ACK: &str = r#"
+local delta = tonumber(ARGV[3])
+if not delta then return redis.error_reply('ack: delta is not a number') end
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('XDEL', KEYS[1], ARGV[2])
+  redis.call('HINCRBY', KEYS[2], 'backlog', 0 - delta)
+  redis.call('HINCRBY', KEYS[2], 'pending', -1)
+  return 1
+end
+return 0
+"#;
+
+/// Opens or closes the resource for sales. Returns the entries still to settle.
+///
+/// KEYS[1] the resource hash. ARGV[1] "1" open, "0" closed. Returns `{exists, pending}`.
+pub const GATE: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
+redis.call('HSET', KEYS[1], 'open', ARGV[1])
+return {1, tonumber(redis.call('HGET', KEYS[1], 'pending') or '0')}
+"#;
+
+/// Loads the resource from the database once its backlog is settled, and opens it.
+///
+/// KEYS[1] the resource hash; KEYS[2] the stream. ARGV[1] database available; ARGV[2] "1" if
+/// inactive; ARGV[3] group; ARGV[4] the channel; ARGV[5] the message announcing the new stock;
+/// ARGV[6] database reserved. Held reservations stay as they are: the database's reserved
+/// counts exactly them once everything is settled.
+/// Returns `{1, 0}` when loaded, `{0, pending}` when something is still unsettled (a sale that
+/// slipped in before the close, or a warm racing another): the caller waits and tries again.
+pub const LOAD: &str = r#"
+local pending = tonumber(redis.call('HGET', KEYS[1], 'pending') or '0')
+if pending ~= 0 then return {0, pending} end
+redis.call('HSET', KEYS[1], 'avail', ARGV[1], 'reserved', ARGV[6], 'backlog', 0, 'pending', 0, 'open', '1',
+  'inactive', ARGV[2])
+local ok, err = pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], ARGV[3], '0', 'MKSTREAM')
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return {1, 0}
+"#;
+
+/// Forgets a resource that left redis mode (drained first), so a process that has not yet
+/// seen the switch finds it cold and refuses rather than selling from stale stock.
+///
+/// KEYS[1] the resource hash; KEYS[2] the stream; KEYS[3] the limit counters; KEYS[4] the
+/// reservations; KEYS[5] the deadlines. Held reservations continue on the database path.
+pub const FORGET: &str = r#"
+local pending = tonumber(redis.call('HGET', KEYS[1], 'pending') or '0')
+if pending ~= 0 then return pending end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+return 0
+"#;

@@ -1,0 +1,203 @@
+//! The settlement consumer every process runs: for each redis-mode resource it reads new
+//! entries of the resource's stream as a member of the consumer group, applies them to the
+//! database (one group commit for the batch, each record its own savepoint), and acknowledges
+//! each after the commit. Entries a consumer took and never acknowledged (it died) are
+//! reclaimed with `XAUTOCLAIM` once idle for `claim_idle_ms`. A record the database refuses is
+//! recorded as a settlement failure (and acknowledged: it is kept in the database, not lost).
+//! A record that could not be settled at all (database down) stays pending and is reclaimed.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::hotpath::{HotError, Hotpath, GROUP};
+use crate::storage::settle::{SettleRecord, Settled};
+use crate::storage::Storage;
+use crate::time::now_ms;
+
+/// How often the list of redis-mode resources is read again from the database.
+const REFRESH_EVERY: Duration = Duration::from_secs(1);
+/// How often each stream is searched for entries of dead consumers.
+const CLAIM_EVERY: Duration = Duration::from_millis(500);
+
+/// Starts the consumer; it stops when `shutdown` turns true.
+pub fn spawn(hot: Arc<Hotpath>, storage: Arc<dyn Storage>, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let poll = Duration::from_millis(hot.settings.settle_poll_ms.max(1));
+        let mut refreshed: Option<Instant> = None;
+        let mut claimed = Instant::now();
+        loop {
+            if refreshed.is_none_or(|at| at.elapsed() >= REFRESH_EVERY) {
+                if let Err(err) = hot.refresh_modes(storage.as_ref()).await {
+                    tracing::warn!(error = %err, "listing redis-mode resources failed; will retry");
+                }
+                refreshed = Some(Instant::now());
+            }
+            let claim = claimed.elapsed() >= CLAIM_EVERY;
+            if claim {
+                claimed = Instant::now();
+            }
+            let mut busy = false;
+            if claim {
+                for (tenant, key) in hot.redis_resources() {
+                    expire_due(&hot, &tenant, &key).await;
+                }
+            }
+            for (tenant, key) in hot.redis_resources() {
+                match settle_stream(&hot, storage.as_ref(), &tenant, &key, claim).await {
+                    Ok(n) => busy |= n > 0,
+                    Err(err) => tracing::debug!(error = %err, tenant = %tenant, key = %key, "settlement pass failed"),
+                }
+            }
+            if !busy {
+                tokio::select! {
+                    _ = tokio::time::sleep(poll) => {}
+                    _ = shutdown.changed() => return,
+                }
+            }
+            if *shutdown.borrow() {
+                return;
+            }
+        }
+    })
+}
+
+/// One pass over one resource's stream: reclaimed entries (if `claim`), then new ones.
+/// Returns how many entries it settled.
+async fn settle_stream(
+    hot: &Hotpath,
+    storage: &dyn Storage,
+    tenant: &str,
+    key: &str,
+    claim: bool,
+) -> Result<usize, HotError> {
+    let stream = hot.stream_key(tenant, key);
+    let batch = hot.settings.settle_batch;
+    let mut settled = 0;
+    if claim {
+        let mut cmd = redis::cmd("XAUTOCLAIM");
+        cmd.arg(&stream)
+            .arg(GROUP)
+            .arg(&hot.consumer)
+            .arg(hot.settings.claim_idle_ms)
+            .arg("0-0")
+            .arg("COUNT")
+            .arg(batch);
+        let reply: StreamAutoClaimReply = hot.link().query(&cmd).await?;
+        if !reply.claimed.is_empty() {
+            metrics::counter!("stockd_settlement_reclaimed_total").increment(reply.claimed.len() as u64);
+            tracing::info!(entries = reply.claimed.len(), tenant, key, "reclaimed entries of a dead consumer");
+        }
+        settled += apply(hot, storage, tenant, key, &reply.claimed).await;
+    }
+    let mut cmd = redis::cmd("XREADGROUP");
+    cmd.arg("GROUP").arg(GROUP).arg(&hot.consumer).arg("COUNT").arg(batch).arg("STREAMS").arg(&stream).arg(">");
+    let reply: Result<Option<StreamReadReply>, _> = hot.link().query(&cmd).await;
+    let reply = match reply {
+        Ok(reply) => reply,
+        // No group: the stream is gone (Redis lost its data; the next warm recreates both) or
+        // was created by a sale before its group. Create the group on an existing stream only,
+        // from its first entry, so a resource that left redis mode gets no stream back.
+        Err(err) if err.code() == Some("NOGROUP") => {
+            let mut create = redis::cmd("XGROUP");
+            create.arg("CREATE").arg(&stream).arg(GROUP).arg("0");
+            let _: Result<String, _> = hot.link().query(&create).await;
+            return Ok(settled);
+        }
+        Err(err) => return Err(err.into()),
+    };
+    for key_entries in reply.map(|r| r.keys).unwrap_or_default() {
+        settled += apply(hot, storage, tenant, key, &key_entries.ids).await;
+    }
+    Ok(settled)
+}
+
+/// Settles entries (their database writes share group commits) and acknowledges each one
+/// whose outcome is committed. Returns how many were acknowledged.
+async fn apply(hot: &Hotpath, storage: &dyn Storage, tenant: &str, key: &str, entries: &[StreamId]) -> usize {
+    let now = now_ms();
+    let records: Vec<(String, Option<SettleRecord>, Option<i64>)> = entries
+        .iter()
+        .map(|e| {
+            let record = e.get::<String>("r").and_then(|r| serde_json::from_str::<SettleRecord>(&r).ok());
+            (e.id.clone(), record, e.get::<i64>("d"))
+        })
+        .collect();
+    let outcomes = join_all(records.iter().map(|(_, record, _)| async move {
+        match record {
+            Some(r) if r.t == tenant && r.k == key => Some(storage.settle(r, now).await),
+            _ => None,
+        }
+    }))
+    .await;
+    let mut acked = 0;
+    for ((id, record, delta), outcome) in records.iter().zip(outcomes) {
+        let qty = record.as_ref().map(|r| r.q).unwrap_or(0);
+        // What the entry changed in Redis's available (the script wrote it beside the record).
+        let delta = delta.unwrap_or(qty);
+        match outcome {
+            Some(Ok(settled)) => {
+                let label = match settled {
+                    Settled::Applied => "applied",
+                    Settled::Duplicate => "duplicate",
+                    Settled::Refused => {
+                        metrics::counter!("stockd_settlement_failures_total").increment(1);
+                        tracing::error!(
+                            tenant,
+                            key,
+                            qty,
+                            "settlement refused by the database: recorded for compensation"
+                        );
+                        "refused"
+                    }
+                };
+                metrics::counter!("stockd_settlements_total", "result" => label).increment(1);
+            }
+            Some(Err(err)) => {
+                // Left pending: reclaimed and tried again once idle.
+                tracing::warn!(error = %err, tenant, key, "settlement failed; the entry stays pending");
+                continue;
+            }
+            None => {
+                // Not a record this version wrote: never silently applied, kept out of the way.
+                tracing::error!(tenant, key, entry = %id, "unreadable settlement entry; acknowledged without applying");
+                metrics::counter!("stockd_settlement_unreadable_total").increment(1);
+            }
+        }
+        match hot.ack(tenant, key, id, delta).await {
+            Ok(()) => acked += 1,
+            Err(err) => tracing::warn!(error = %err, tenant, key, "acknowledging a settled entry failed"),
+        }
+    }
+    acked
+}
+
+/// Most reservations one pass expires per resource.
+const EXPIRE_BATCH: usize = 100;
+
+/// Expires the resource's reservations made in Redis that are past their deadline (each
+/// exactly once: the script moves only a held one), which returns their stock to Redis and
+/// queues the expiry for settlement.
+async fn expire_due(hot: &Hotpath, tenant: &str, key: &str) {
+    let now = now_ms();
+    let due = match hot.due_reservations(tenant, key, now, EXPIRE_BATCH).await {
+        Ok(due) => due,
+        Err(err) => {
+            tracing::debug!(error = %err, tenant, key, "listing due reservations failed");
+            return;
+        }
+    };
+    for id in due {
+        match hot.move_reservation(tenant, key, &id, "expired", now).await {
+            Ok(Some(r)) if r.state == crate::engine::ReservationState::Expired => {
+                metrics::counter!("stockd_reservations_expired_total").increment(1);
+            }
+            Ok(_) => {}
+            Err(err) => tracing::warn!(error = %err, tenant, key, "expiring a reservation in redis failed"),
+        }
+    }
+}

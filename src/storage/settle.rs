@@ -1,0 +1,132 @@
+//! What storage does for the Redis hot path ([`crate::hotpath`]): settle one record of a
+//! resource's Redis stream into the database with the same guarded UPDATE, ledger row and
+//! unique request id as the database path; record what the database refuses; switch a
+//! resource's mode; and answer the reads the hot path needs (which resources are in redis
+//! mode, an idempotency key's stored outcome, the settlement failures of a tenant).
+//!
+//! A separate trait, a supertrait of [`super::Storage`], so each backend implements it in its
+//! own `settle.rs` beside the rest of its code.
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::{IdempotencyRequest, Idempotent, StorageError};
+use crate::engine::{Mode, ResourceKey, ResourceState, TenantId};
+
+/// One success Redis acknowledged, as its Lua script appended it to the resource's stream.
+/// Field names are short: one record per sale crosses Redis twice.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettleRecord {
+    /// Tenant.
+    pub t: String,
+    /// Resource key.
+    pub k: String,
+    /// Quantity deducted (positive).
+    pub q: i64,
+    /// The business action's request id: the ledger's unique identity.
+    pub rid: String,
+    /// The client's order id.
+    pub oid: String,
+    /// The idempotency key and the request's hash, so the database can replay the outcome
+    /// even after Redis has forgotten it.
+    pub idem: String,
+    pub h: String,
+    /// The response the client received (stored as the idempotency record).
+    pub body: String,
+    /// The per-user limit key the deduction counted against, if any.
+    pub lim: Option<String>,
+    /// The plan's planner version, for the ledger row.
+    pub pv: i64,
+    /// When Redis acknowledged it (Unix ms).
+    pub at: i64,
+    /// `deduct` (when absent), `reserve`, or a move of a reservation made in Redis: `confirm`,
+    /// `release`, `expire` (whose quantity the database takes from the reservation's row).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<String>,
+    /// The reservation (reserve and moves).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rsv: Option<String>,
+    /// Reserve: the deadline (Unix ms) and the lines (JSON) of the reservation's database row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exp: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lines: Option<String>,
+}
+
+impl SettleRecord {
+    /// The record's operation; `deduct` when absent.
+    pub fn op(&self) -> &str {
+        self.op.as_deref().unwrap_or("deduct")
+    }
+}
+
+/// The state a move of a reservation leads to, and the ledger op it writes.
+pub fn move_target(op: &str) -> Option<(&'static str, &'static str)> {
+    match op {
+        "confirm" => Some(("confirmed", "confirm")),
+        "release" => Some(("released", "release")),
+        "expire" => Some(("expired", "expire")),
+        _ => None,
+    }
+}
+
+/// The quantity a reservation holds, from its stored lines (JSON).
+pub fn reserved_qty(lines: &str) -> Result<i64, StorageError> {
+    let lines: Vec<crate::engine::ReservationLine> =
+        serde_json::from_str(lines).map_err(|_| StorageError::Internal("unexpected reservation lines".into()))?;
+    Ok(lines.iter().map(|l| l.qty).sum())
+}
+
+/// How a settlement record ended in the database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Applied now: the guarded UPDATE took it, with its ledger row and idempotency record.
+    Applied,
+    /// Its ledger row exists already (a redelivery): nothing done again.
+    Duplicate,
+    /// The database refused it (Redis said yes, the database says no); recorded as a
+    /// settlement failure for the tenant to compensate.
+    Refused,
+}
+
+/// A sale Redis acknowledged that the database refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct SettlementFailure {
+    pub key: String,
+    pub request_id: String,
+    pub order_id: String,
+    pub idempotency_key: String,
+    pub qty: i64,
+    /// Why the database refused it: `insufficient` or `resource_not_found`.
+    pub reason: String,
+    /// Database available stock when it was refused.
+    pub available: i64,
+    #[schema(value_type = String, format = DateTime)]
+    pub at: crate::time::Timestamp,
+}
+
+/// The storage operations of the Redis hot path.
+#[async_trait]
+pub trait SettleStore: Send + Sync {
+    /// Applies one record, exactly once whatever the number of deliveries.
+    async fn settle(&self, record: &SettleRecord, now_ms: i64) -> Result<Settled, StorageError>;
+    /// Sets a resource's mode; `None` when there is no such resource.
+    async fn set_resource_mode(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        mode: Mode,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError>;
+    /// Every resource in redis mode (all tenants), at most `limit`.
+    async fn redis_resources(&self, limit: u32) -> Result<Vec<(TenantId, ResourceKey)>, StorageError>;
+    /// The stored outcome of an idempotency key, if it has one; reads only.
+    async fn stored_outcome(
+        &self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+    ) -> Result<Option<Idempotent>, StorageError>;
+    /// The tenant's settlement failures, newest first, at most `limit`.
+    async fn settlement_failures(&self, tenant: &TenantId, limit: u32) -> Result<Vec<SettlementFailure>, StorageError>;
+}

@@ -1,0 +1,574 @@
+//! Redis mode (flash sales): sales decided by the Lua script in Redis, settled into the database
+//! by the stream consumers, against a real Redis and the real database of the suite's backend.
+//! Tests that stop Redis or count its commands run their own `redis-server` on a free port.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use serde_json::{json, Value};
+use tokio::sync::Barrier;
+
+use crate::helpers::{
+    assert_counts, assert_problem, entries_with_op, plugin_wasm, reserve, spawn_app, unique, Backend, Reply, TestApp,
+};
+use crate::redis_support::{
+    create_redis_resource, deduct_one, order_through_503, reconciliation, redis_app, redis_conn, redis_entry,
+    shared_redis_url, stream_key, wait_settled, RedisCluster, RedisServer, SentinelSetup,
+};
+
+/// The line reason of a rejected one-line order.
+#[track_caller]
+fn reason(reply: &Reply) -> String {
+    let doc = reply.expect_json(409);
+    assert_eq!(doc["status"], "rejected", "{doc}");
+    doc["lines"][0]["reason"].as_str().unwrap_or_default().to_owned()
+}
+
+/// Asserts the report has no ledger drift, no settlement failure, and Redis agreeing with the
+/// database for `key`.
+#[track_caller]
+fn assert_in_line(report: &Value, key: &str) {
+    assert_eq!(report["drift"], json!([]), "{report}");
+    assert_eq!(report["settlement_failures"], json!([]), "{report}");
+    let entry = redis_entry(report, key);
+    assert_eq!(entry["warmed"], true, "{report}");
+    assert_eq!(entry["drift"], 0, "{report}");
+    assert_eq!(entry["backlog"], 0, "{report}");
+}
+
+/// 64 buyers, 2 orders each, race for 50 pieces of a redis-mode SKU under the flash-sale plan
+/// (one piece per user): exactly 50 orders succeed, no user gets two, every other order is
+/// refused for a stated reason, and once settled the database holds exactly 50 sales, one
+/// ledger row each, with Redis and the database agreeing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_buyers_race_for_fifty_pieces_in_redis_mode() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
+    race_for_fifty_pieces(&app).await;
+}
+
+/// The same race on a three-master Redis Cluster (`redis-server --cluster-enabled yes`): each
+/// script's keys share the resource's hash tag, so every script runs on one node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_buyers_race_on_a_redis_cluster() {
+    let cluster = RedisCluster::start().await;
+    let (app, _prefix) = redis_app("", &cluster.toml()).await;
+    race_for_fifty_pieces(&app).await;
+    drop(cluster);
+}
+
+async fn race_for_fifty_pieces(app: &TestApp) {
+    let shop = app.create_tenant("shop").await;
+    shop.put_plugin_config(plugin_wasm("flash-sale"), "buckets=1").await.expect_json(201);
+    create_redis_resource(&shop, "sku-hot", 50).await;
+
+    let barrier = Arc::new(Barrier::new(64));
+    let buyers = (0..64).map(|buyer| {
+        let shop = shop.clone();
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let user = format!("u-{buyer}");
+            let mut replies = Vec::new();
+            for n in 0..2 {
+                let key = format!("b{buyer}-o{n}");
+                replies.push((user.clone(), shop.order(&key, &deduct_one(&key, "sku-hot", 1, Some(&user))).await));
+            }
+            replies
+        })
+    });
+    let replies: Vec<(String, Reply)> =
+        join_all(buyers).await.into_iter().flat_map(|r| r.expect("buyer task does not panic")).collect();
+
+    let mut wins: HashMap<String, usize> = HashMap::new();
+    let mut reasons: HashMap<String, usize> = HashMap::new();
+    for (user, reply) in &replies {
+        match reply.status() {
+            201 => *wins.entry(user.clone()).or_default() += 1,
+            409 => *reasons.entry(reason(reply)).or_default() += 1,
+            other => panic!("unexpected answer {other}: {}", reply.text),
+        }
+    }
+    assert_eq!(wins.values().sum::<usize>(), 50, "reasons {reasons:?}");
+    assert!(wins.values().all(|n| *n == 1), "one piece per user: {wins:?}");
+    assert!(
+        reasons.keys().all(|r| ["insufficient", "limit_exceeded", "sold_out"].contains(&r.as_str())),
+        "{reasons:?}"
+    );
+    assert_eq!(reasons.values().sum::<usize>(), 78);
+
+    let report = wait_settled(&shop, "sku-hot", 50).await;
+    assert_in_line(&report, "sku-hot");
+    assert_eq!(redis_entry(&report, "sku-hot")["redis_available"], 0);
+    assert_counts(&shop.state("sku-hot").await, 0, 0, 50, 50);
+    let ledger = shop.assert_ledger_replays_to_state("sku-hot").await;
+    let deducts = entries_with_op(&ledger, "deduct");
+    assert_eq!(deducts.len(), 50);
+    let requests: HashSet<&str> = deducts.iter().filter_map(|e| e["request_id"].as_str()).collect();
+    assert_eq!(requests.len(), 50, "one request id per sale");
+    for entry in deducts {
+        assert_eq!(entry["plugin_version"], 1, "{entry}");
+    }
+}
+
+/// A replay returns the first outcome (201 or 409) with `Idempotent-Replayed`, the same key
+/// with another body is 422, 20 concurrent copies apply once, and once settled a replay is
+/// still answered after Redis has forgotten the request (from the database's record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_mode_replays_return_the_first_outcome() {
+    let (app, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 10).await;
+
+    let first = shop.order("k1", &deduct_one("O-1", "sku-1", 2, None)).await;
+    first.expect_json(201);
+    let again = shop.order("k1", &deduct_one("O-1", "sku-1", 2, None)).await;
+    assert_eq!((again.status(), again.text.as_str(), again.replayed()), (201, first.text.as_str(), true));
+    assert_problem(&shop.order("k1", &deduct_one("O-1", "sku-1", 3, None)).await, 422, "idempotency_key_mismatch");
+
+    let too_many = shop.order("k2", &deduct_one("O-2", "sku-1", 11, None)).await;
+    assert_eq!(reason(&too_many), "insufficient");
+    let again = shop.order("k2", &deduct_one("O-2", "sku-1", 11, None)).await;
+    assert_eq!((again.status(), again.text.as_str(), again.replayed()), (409, too_many.text.as_str(), true));
+
+    let barrier = Arc::new(Barrier::new(20));
+    let copies = (0..20).map(|_| {
+        let (shop, barrier) = (shop.clone(), barrier.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            shop.order("k3", &deduct_one("O-3", "sku-1", 3, None)).await
+        })
+    });
+    let copies: Vec<Reply> = join_all(copies).await.into_iter().map(|r| r.expect("no panic")).collect();
+    assert!(copies.iter().all(|r| r.status() == 201 && r.text == copies[0].text), "same answer for every copy");
+    assert_eq!(copies.iter().filter(|r| !r.replayed()).count(), 1, "one fresh answer, 19 replays");
+
+    wait_settled(&shop, "sku-1", 5).await;
+    // Redis forgets the requests (as after a data loss); the database still answers replays.
+    let mut redis = redis_conn(&shared_redis_url()).await;
+    let pattern = format!("{prefix}:{{shop:sku-1}}:q:*");
+    let keys: Vec<String> = redis::cmd("KEYS").arg(&pattern).query_async(&mut redis).await.expect("KEYS works");
+    assert_eq!(keys.len(), 3, "one request record per key: {keys:?}");
+    let _: i64 = redis::cmd("DEL").arg(&keys).query_async(&mut redis).await.expect("DEL works");
+    let after_loss = shop.order("k1", &deduct_one("O-1", "sku-1", 2, None)).await;
+    assert_eq!(
+        (after_loss.status(), after_loss.text.as_str(), after_loss.replayed()),
+        (201, first.text.as_str(), true)
+    );
+    assert_problem(&shop.order("k3", &deduct_one("O-3", "sku-1", 4, None)).await, 422, "idempotency_key_mismatch");
+
+    let report = wait_settled(&shop, "sku-1", 5).await;
+    assert_in_line(&report, "sku-1");
+    assert_counts(&shop.state("sku-1").await, 5, 0, 5, 10);
+    assert_eq!(entries_with_op(&shop.assert_ledger_replays_to_state("sku-1").await, "deduct").len(), 2);
+}
+
+/// Holds the database's resources table so settlement cannot commit (reads go on): an
+/// exclusive SQLite transaction, or a PostgreSQL table lock. Dropping the guard releases it.
+enum TableHold {
+    Sqlite(sqlx::SqliteConnection),
+    Postgres(sqlx::PgConnection),
+}
+
+impl TableHold {
+    async fn take(database_url: &str) -> TableHold {
+        use sqlx::Connection;
+        match Backend::from_env() {
+            Backend::Sqlite => {
+                let mut conn = sqlx::SqliteConnection::connect(database_url).await.expect("the SQLite file opens");
+                sqlx::query("BEGIN EXCLUSIVE").execute(&mut conn).await.expect("an exclusive transaction starts");
+                TableHold::Sqlite(conn)
+            }
+            Backend::Postgres => {
+                let mut conn = sqlx::PgConnection::connect(database_url).await.expect("PostgreSQL answers");
+                sqlx::query("BEGIN").execute(&mut conn).await.expect("BEGIN");
+                sqlx::query("LOCK TABLE resources IN EXCLUSIVE MODE").execute(&mut conn).await.expect("LOCK TABLE");
+                TableHold::Postgres(conn)
+            }
+        }
+    }
+
+    async fn release(self) {
+        let rolled_back = match self {
+            TableHold::Sqlite(mut conn) => sqlx::query("ROLLBACK").execute(&mut conn).await.map(|_| ()),
+            TableHold::Postgres(mut conn) => sqlx::query("ROLLBACK").execute(&mut conn).await.map(|_| ()),
+        };
+        rolled_back.expect("the hold is released");
+    }
+}
+
+/// A settlement consumer that read entries and died before settling them (kill -9 while the
+/// database could not commit) leaves them pending; the process that comes next reclaims them
+/// (XAUTOCLAIM), reads the rest, and applies each of the 10 sales exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_of_a_killed_settlement_consumer_are_reclaimed_and_applied_once() {
+    let (mut app, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 20).await;
+
+    let hold = TableHold::take(app.database_url()).await;
+    for n in 0..10 {
+        let key = format!("k{n}");
+        shop.order(&key, &deduct_one(&key, "sku-1", 1, None)).await.expect_json(201);
+    }
+    // The consumer reads entries at once; those it took stay pending while it cannot commit
+    // (it reads the next ones only after settling those, so the rest are still unread).
+    let mut redis = redis_conn(&shared_redis_url()).await;
+    let stream = stream_key(&prefix, "shop", "sku-1");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        // XPENDING's summary starts with the number of pending entries.
+        let summary: Vec<redis::Value> =
+            redis::cmd("XPENDING").arg(&stream).arg("settle").query_async(&mut redis).await.expect("XPENDING");
+        if matches!(summary.first(), Some(redis::Value::Int(n)) if *n >= 1) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the consumer took entries: {summary:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    app.kill9().await;
+    hold.release().await;
+
+    app.restart().await;
+    let report = wait_settled(&shop, "sku-1", 10).await;
+    assert_in_line(&report, "sku-1");
+    let metrics = app.get_anonymous("/metrics").await.text;
+    assert!(metrics.contains("stockd_settlement_reclaimed_total"), "the new process reclaimed: {metrics}");
+    let ledger = shop.assert_ledger_replays_to_state("sku-1").await;
+    let deducts = entries_with_op(&ledger, "deduct");
+    let orders: HashSet<&str> = deducts.iter().filter_map(|e| e["order_id"].as_str()).collect();
+    assert_eq!((deducts.len(), orders.len()), (10, 10), "each sale applied once");
+    assert_counts(&shop.state("sku-1").await, 10, 0, 10, 20);
+}
+
+/// Redis restarts mid-sale with older data (its last snapshot): the sales it forgot having
+/// settled make it sell stock the database no longer has. The database never goes below zero;
+/// what it refuses is recorded as settlement failures; reconciliation shows the drift; replays
+/// of sales Redis forgot are answered from the database; a warm brings the two back in line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_losing_data_mid_sale_shows_as_failures_and_drift_until_a_warm() {
+    let mut redis = RedisServer::start().await;
+    let (app, _prefix) = redis_app(&redis.url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    let other = app.create_tenant("other").await;
+    create_redis_resource(&shop, "sku-1", 100).await;
+
+    let sell = |prefix: &'static str, n: usize| {
+        let shop = shop.clone();
+        async move {
+            let mut created = Vec::new();
+            for i in 0..n {
+                let key = format!("{prefix}{i}");
+                let reply = order_through_503(&shop, &key, &deduct_one(&key, "sku-1", 1, None)).await;
+                created.push((key, reply));
+            }
+            created
+        }
+    };
+    assert!(sell("a", 30).await.iter().all(|(_, r)| r.status() == 201));
+    wait_settled(&shop, "sku-1", 30).await;
+    let mut conn = redis_conn(&redis.url()).await;
+    let _: String = redis::cmd("SAVE").query_async(&mut conn).await.expect("SAVE");
+    let after_snapshot = sell("b", 40).await;
+    assert!(after_snapshot.iter().all(|(_, r)| r.status() == 201));
+    wait_settled(&shop, "sku-1", 70).await;
+
+    // Redis comes back with the snapshot: 70 available, though the database has 30.
+    redis.restart().await;
+    let _ = order_through_503(&shop, "probe", &deduct_one("probe", "sku-1", 200, None)).await;
+    let report = reconciliation(&shop).await;
+    assert_eq!(redis_entry(&report, "sku-1")["drift"], 40, "{report}");
+
+    let late = sell("c", 50).await;
+    assert!(late.iter().all(|(_, r)| r.status() == 201), "Redis sells what it believes it has");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let report = loop {
+        let report = reconciliation(&shop).await;
+        let settled = report["settlement_failures"].as_array().map(Vec::len) == Some(20)
+            && redis_entry(&report, "sku-1")["backlog"] == 0;
+        if settled {
+            break report;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "20 sales refused: {report}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(report["drift"], json!([]), "the ledger still matches the state: {report}");
+    assert!(report["settlement_failures"].as_array().into_iter().flatten().all(|f| f["reason"] == "insufficient"));
+    assert_eq!(redis_entry(&report, "sku-1")["drift"], 20, "{report}");
+    assert_counts(&shop.state("sku-1").await, 0, 0, 100, 100);
+    shop.assert_ledger_replays_to_state("sku-1").await;
+    // Another tenant sees none of it.
+    let theirs = reconciliation(&other).await;
+    assert_eq!((&theirs["redis"], &theirs["settlement_failures"]), (&json!([]), &json!([])), "{theirs}");
+
+    // A sale Redis forgot (sold after the snapshot) replays from the database: nothing twice.
+    let (b0, b0_reply) = &after_snapshot[0];
+    let replay = shop.order(b0, &deduct_one(b0, "sku-1", 1, None)).await;
+    assert_eq!((replay.status(), replay.text.as_str(), replay.replayed()), (201, b0_reply.text.as_str(), true));
+
+    let warmed = shop.post("/v1/resources/sku-1/warm", &json!({})).await.expect_json(200);
+    assert_eq!((warmed["drift"].as_i64(), warmed["redis_available"].as_i64()), (Some(0), Some(0)), "{warmed}");
+    assert_eq!(reason(&shop.order("d0", &deduct_one("d0", "sku-1", 1, None)).await), "sold_out");
+    assert_counts(&shop.state("sku-1").await, 0, 0, 100, 100);
+}
+
+/// With Redis down, redis-mode orders answer `503 unavailable` with `Retry-After` (never a
+/// silent fallback to the database), `/readyz` says not ready, and db-mode resources keep
+/// selling. Back up but empty, the resource answers 503 `redis_not_warmed` until warmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_answers_503_while_db_mode_keeps_working() {
+    let mut redis = RedisServer::start().await;
+    let (app, _prefix) = redis_app(&redis.url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "hot", 10).await;
+    shop.create_resource("cold", 10).await;
+    shop.order("r1", &deduct_one("r1", "hot", 1, None)).await.expect_json(201);
+    wait_settled(&shop, "hot", 1).await;
+
+    redis.kill9().await;
+    let down = shop.order("r2", &deduct_one("r2", "hot", 1, None)).await;
+    assert_problem(&down, 503, "unavailable");
+    assert!(down.header("retry-after").is_some(), "{:?}", down.headers);
+    assert_eq!(app.get_anonymous("/readyz").await.status(), 503);
+    shop.order("d1", &deduct_one("d1", "cold", 1, None)).await.expect_json(201);
+    assert_counts(&shop.state("hot").await, 9, 0, 1, 10);
+
+    redis.launch(&[]).await;
+    let empty = order_through_503(&shop, "r2", &deduct_one("r2", "hot", 1, None)).await;
+    assert_problem(&empty, 503, "redis_not_warmed");
+    assert_eq!(app.get_anonymous("/readyz").await.status(), 200);
+    shop.post("/v1/resources/hot/warm", &json!({})).await.expect_json(200);
+    shop.order("r2", &deduct_one("r2", "hot", 1, None)).await.expect_json(201);
+    let report = wait_settled(&shop, "hot", 2).await;
+    assert_in_line(&report, "hot");
+}
+
+/// Switching a db-mode resource to redis mode warms Redis from the database; switching back
+/// settles the Redis backlog first; a restock of a redis-mode resource reaches Redis; another
+/// tenant's resource cannot be warmed (404, like a missing one); a db-mode one is 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_modes_warms_and_drains_redis() {
+    let (app, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    let other = app.create_tenant("other").await;
+    shop.create_resource("sku-1", 10).await;
+    shop.order("d1", &deduct_one("d1", "sku-1", 2, None)).await.expect_json(201);
+    assert_problem(&shop.post("/v1/resources/sku-1/warm", &json!({})).await, 409, "resource_not_redis");
+
+    let switched = shop.patch("/v1/resources/sku-1", &json!({"mode": "redis"})).await.expect_json(200);
+    assert_eq!(switched["mode"], "redis");
+    assert_eq!(redis_entry(&reconciliation(&shop).await, "sku-1")["redis_available"], 8);
+    shop.order("r1", &deduct_one("r1", "sku-1", 3, None)).await.expect_json(201);
+    assert_problem(&other.post("/v1/resources/sku-1/warm", &json!({})).await, 404, "resource_not_found");
+
+    shop.adjust("sku-1", "restock-1", 5).await.expect_json(200);
+    let report = wait_settled(&shop, "sku-1", 5).await;
+    assert_in_line(&report, "sku-1");
+    assert_eq!(redis_entry(&report, "sku-1")["redis_available"], 10);
+
+    let back = shop.patch("/v1/resources/sku-1", &json!({"mode": "db"})).await.expect_json(200);
+    assert_eq!(back["mode"], "db");
+    assert_counts(&back, 10, 0, 5, 15);
+    let mut redis = redis_conn(&shared_redis_url()).await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:{{shop:sku-1}}:[rxl]"))
+        .query_async(&mut redis)
+        .await
+        .expect("KEYS works");
+    assert!(keys.is_empty(), "a resource out of redis mode leaves no stock in Redis: {keys:?}");
+    shop.order("d2", &deduct_one("d2", "sku-1", 1, None)).await.expect_json(201);
+    assert_counts(&shop.state("sku-1").await, 9, 0, 6, 15);
+    shop.assert_ledger_replays_to_state("sku-1").await;
+    shop.assert_reconciliation_clean(1).await;
+}
+
+/// Without `[redis]`, asking for redis mode is a validation error.
+#[tokio::test]
+async fn redis_mode_without_redis_is_refused() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    let reply =
+        shop.post("/v1/resources", &json!({"key": "k", "kind": "inventory", "total": 1, "mode": "redis"})).await;
+    assert_problem(&reply, 400, "validation_failed");
+    shop.create_resource("k", 1).await;
+    assert_problem(&shop.patch("/v1/resources/k", &json!({"mode": "redis"})).await, 400, "validation_failed");
+}
+
+/// An order that touches a redis-mode resource must be one line to that one resource, and a
+/// redis-mode resource has one bucket (at creation, and when switching).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_line_orders_on_redis_mode_resources_are_refused() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "hot", 10).await;
+    shop.create_resource("plain", 10).await;
+    let bucketed = json!({"key": "split", "kind": "inventory", "total": 10, "buckets": 4, "mode": "redis"});
+    assert_problem(&shop.post("/v1/resources", &bucketed).await, 400, "validation_failed");
+    shop.post("/v1/resources", &json!({"key": "split", "kind": "inventory", "total": 10, "buckets": 4}))
+        .await
+        .expect_json(201);
+    assert_problem(&shop.patch("/v1/resources/split", &json!({"mode": "redis"})).await, 400, "validation_failed");
+    assert_eq!(shop.state("split").await["mode"], "db");
+    let body = json!({"order_id": "m1", "action": "deduct",
+        "lines": [{"key": "hot", "qty": 1}, {"key": "plain", "qty": 1}]});
+    assert_problem(&shop.order(&unique("m"), &body).await, 422, "redis_order_unsupported");
+    assert_counts(&shop.state("plain").await, 10, 0, 0, 10);
+}
+
+/// Once a key is sold out, every process answers `sold_out` from memory: its own sale told the
+/// selling process, pub/sub told the other one, and Redis counts no script call (INFO
+/// commandstats) for 40 more orders. A restock clears it everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_sold_out_further_orders_cost_no_redis_command() {
+    let redis = RedisServer::start().await;
+    let (app, _prefix) = redis_app(&redis.url(), "").await;
+    let sibling = app.spawn_sibling().await;
+    let shop = app.create_tenant("shop").await;
+    let shop_there = sibling.tenant_with_key("shop", &shop.api_key);
+    create_redis_resource(&shop, "sku-1", 5).await;
+    // The sibling learns of the resource within its one-second refresh.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    for n in 0..5 {
+        let key = format!("k{n}");
+        shop.order(&key, &deduct_one(&key, "sku-1", 1, None)).await.expect_json(201);
+    }
+    wait_settled(&shop, "sku-1", 5).await;
+
+    let mut conn = redis_conn(&redis.url()).await;
+    let _: String = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut conn).await.expect("RESETSTAT");
+    for (n, client) in [&shop, &shop_there].into_iter().cycle().take(40).enumerate() {
+        let key = format!("late-{n}");
+        assert_eq!(reason(&client.order(&key, &deduct_one(&key, "sku-1", 1, None)).await), "sold_out");
+    }
+    let stats: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("INFO");
+    for command in ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_hmget:", "cmdstat_hget:"] {
+        assert!(!stats.contains(command), "{command} was called after sold-out:\n{stats}");
+    }
+
+    shop.adjust("sku-1", "restock", 2).await.expect_json(200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    shop_there.order("r1", &deduct_one("r1", "sku-1", 1, None)).await.expect_json(201);
+    shop.order("r2", &deduct_one("r2", "sku-1", 1, None)).await.expect_json(201);
+    let report = wait_settled(&shop, "sku-1", 7).await;
+    assert_in_line(&report, "sku-1");
+    drop(sibling);
+}
+
+/// A Redis Sentinel failover mid-sale (master, one replica, three Sentinels on loopback): the
+/// replica stops receiving (its replication link is cut) while 20 more pieces sell and settle,
+/// then the master is killed. stockd follows the promoted replica through the Sentinels; the 20
+/// writes the replica never received show as drift, then, as Redis sells them again, as 20
+/// settlement failures; the database never oversells; a warm brings the two back in line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_mid_sale_surfaces_lost_writes_and_never_oversells() {
+    let mut setup = SentinelSetup::start().await;
+    let (app, _prefix) = redis_app("", &setup.toml()).await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 100).await;
+
+    let sell = |prefix: &'static str, n: usize| {
+        let shop = shop.clone();
+        async move {
+            let mut statuses = Vec::new();
+            for i in 0..n {
+                let key = format!("{prefix}{i}");
+                statuses.push(order_through_503(&shop, &key, &deduct_one(&key, "sku-1", 1, None)).await);
+            }
+            statuses
+        }
+    };
+    assert!(sell("a", 30).await.iter().all(|r| r.status() == 201));
+    wait_settled(&shop, "sku-1", 30).await;
+    setup.link.cut();
+    assert!(sell("b", 20).await.iter().all(|r| r.status() == 201));
+    wait_settled(&shop, "sku-1", 50).await;
+
+    setup.master.kill9().await;
+    setup.wait_for_master(setup.replica.port).await;
+    let probe = order_through_503(&shop, "probe", &deduct_one("probe", "sku-1", 1_000, None)).await;
+    assert_eq!(reason(&probe), "insufficient", "stockd sells through the promoted replica");
+    let report = reconciliation(&shop).await;
+    assert_eq!(report["redis_reachable"], true, "{report}");
+    assert_eq!(redis_entry(&report, "sku-1")["drift"], 20, "the replica missed 20 settled sales: {report}");
+
+    let late = sell("c", 100).await;
+    assert_eq!(late.iter().filter(|r| r.status() == 201).count(), 70, "Redis sells what the replica holds");
+    assert!(late
+        .iter()
+        .filter(|r| r.status() != 201)
+        .all(|r| ["sold_out", "insufficient"].contains(&reason(r).as_str())));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let report = loop {
+        let report = reconciliation(&shop).await;
+        if report["settlement_failures"].as_array().map(Vec::len) == Some(20)
+            && redis_entry(&report, "sku-1")["backlog"] == 0
+        {
+            break report;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "20 sales refused: {report}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(report["drift"], json!([]), "{report}");
+    assert_counts(&shop.state("sku-1").await, 0, 0, 100, 100);
+    shop.assert_ledger_replays_to_state("sku-1").await;
+
+    let warmed = shop.post("/v1/resources/sku-1/warm", &json!({})).await.expect_json(200);
+    assert_eq!(warmed["drift"], 0, "{warmed}");
+}
+
+/// Reservations on a redis-mode resource: reserve, confirm at once (before settlement even),
+/// confirm again (same answer), release after confirm (409); release, release again, confirm
+/// after release (409); a short reservation expires by itself, exactly once, and is then 409
+/// to confirm and 200 to release. Once settled the database holds the same story: one ledger
+/// entry per move, the state replaying from the ledger, Redis and the database agreeing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_in_redis_mode_move_once_and_expire_by_themselves() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "[reservations]\nsweep_interval_ms = 200").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 10).await;
+
+    let reserve_one = |key: &'static str, qty: i64, ttl: u64| {
+        let shop = shop.clone();
+        async move {
+            let doc = shop.order(key, &reserve(key, &[("sku-1", qty)], Some(ttl))).await.expect_json(201);
+            doc["reservation_id"].as_str().expect("a reservation id").to_owned()
+        }
+    };
+    let kept = reserve_one("r1", 3, 60).await;
+    assert_eq!(shop.confirm(&kept).await.expect_json(200)["state"], "confirmed");
+    assert_eq!(shop.confirm(&kept).await.expect_json(200)["state"], "confirmed");
+    assert_problem(&shop.release(&kept).await, 409, "reservation_confirmed");
+
+    let dropped = reserve_one("r2", 1, 60).await;
+    assert_eq!(shop.release(&dropped).await.expect_json(200)["state"], "released");
+    assert_eq!(shop.release(&dropped).await.expect_json(200)["state"], "released");
+    assert_problem(&shop.confirm(&dropped).await, 409, "reservation_released");
+
+    let lapsed = reserve_one("r3", 2, 1).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let state = shop.reservation(&lapsed).await.expect_json(200);
+        if state["state"] == "expired" {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the reservation expired by itself: {state}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_problem(&shop.confirm(&lapsed).await, 409, "reservation_expired");
+    assert_eq!(shop.release(&lapsed).await.expect_json(200)["state"], "expired");
+
+    let report = wait_settled(&shop, "sku-1", 3).await;
+    assert_in_line(&report, "sku-1");
+    assert_counts(&shop.state("sku-1").await, 7, 0, 3, 10);
+    let ledger = shop.assert_ledger_replays_to_state("sku-1").await;
+    let count = |op: &str| entries_with_op(&ledger, op).len();
+    assert_eq!(
+        (count("reserve"), count("confirm"), count("release"), count("expire"), count("deduct")),
+        (3, 1, 1, 1, 0),
+        "one ledger entry per move"
+    );
+    for (id, state) in [(&kept, "confirmed"), (&dropped, "released"), (&lapsed, "expired")] {
+        assert_eq!(shop.reservation(id).await.expect_json(200)["state"], state);
+    }
+}
