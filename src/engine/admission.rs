@@ -23,6 +23,8 @@ use super::types::{Action, Kind, LedgerOp};
 pub struct Row {
     pub kind: Kind,
     pub active: bool,
+    /// Sold by Redis: the database path must not take from it.
+    pub redis: bool,
     pub buckets: i64,
     pub available: i64,
     pub reserved: i64,
@@ -57,10 +59,10 @@ pub fn admissible(plan: &Plan) -> bool {
 
 /// Decides one order against `rows` (keyed by resource key; a key that is absent is a resource
 /// that does not exist) and applies its changes to them. `None`: a target is bucketed, so this
-/// order must take the per-order path; `rows` is then untouched.
+/// (or in redis mode), so this order must take the per-order path; `rows` is then untouched.
 pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action) -> Option<Admitted> {
-    let bucketed = |key: &str| rows.get(key).is_some_and(|r| r.buckets != 1);
-    if plan.lines.iter().flat_map(|l| &l.targets).any(|t| bucketed(t.resource.as_str())) {
+    let elsewhere = |key: &str| rows.get(key).is_some_and(|r| r.buckets != 1 || r.redis);
+    if plan.lines.iter().flat_map(|l| &l.targets).any(|t| elsewhere(t.resource.as_str())) {
         return None;
     }
     let op = match action {
@@ -127,7 +129,16 @@ mod tests {
     use crate::engine::ResourceKey;
 
     fn row(available: i64) -> Row {
-        Row { kind: Kind::Inventory, active: true, buckets: 1, available, reserved: 0, consumed: 0, version: 1 }
+        Row {
+            kind: Kind::Inventory,
+            active: true,
+            redis: false,
+            buckets: 1,
+            available,
+            reserved: 0,
+            consumed: 0,
+            version: 1,
+        }
     }
 
     fn plan(policy: PartialPolicy, lines: &[(&[&str], i64)]) -> Plan {

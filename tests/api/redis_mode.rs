@@ -572,3 +572,79 @@ async fn reservations_in_redis_mode_move_once_and_expire_by_themselves() {
         assert_eq!(shop.reservation(id).await.expect_json(200)["state"], state);
     }
 }
+
+/// Whether Redis holds the outcome of this idempotency key for `key`: the deduct script stores
+/// one for every sale it makes, and the database path never writes there.
+async fn sold_by_redis(redis_url: &str, prefix: &str, key: &str, idempotency_key: &str) -> bool {
+    let mut conn = redis_conn(redis_url).await;
+    let found: i64 = redis::cmd("EXISTS")
+        .arg(format!("{prefix}:{{shop:{key}}}:q:{idempotency_key}"))
+        .query_async(&mut conn)
+        .await
+        .expect("EXISTS works");
+    found == 1
+}
+
+/// Process A caches sku-1 as db-mode (it has just sold one on the database path); process B
+/// switches it to redis mode, which warms Redis from the database. An order A sends at once,
+/// while its cached mode is stale, must not deduct from the database copy Redis was warmed
+/// from: it answers `503 unavailable` (Retry-After) until A learns of the switch, or goes to
+/// Redis outright; retried with the same key it is one sale, made by Redis. Selling out
+/// through B then sells exactly the 10 pieces there are: no settlement failure, no drift.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_with_a_stale_mode_never_sells_from_the_database_copy() {
+    let redis_url = shared_redis_url();
+    let (app, prefix) = redis_app(&redis_url, "").await;
+    let sibling = app.spawn_sibling().await;
+    let shop_a = app.create_tenant("shop").await;
+    let shop_b = sibling.tenant_with_key("shop", &shop_a.api_key);
+    shop_a.create_resource("sku-1", 10).await;
+    let mut sold = 0;
+
+    shop_a.order("a1", &deduct_one("a1", "sku-1", 1, None)).await.expect_json(201);
+    sold += 1;
+    let switched = shop_b.patch("/v1/resources/sku-1", &json!({"mode": "redis"})).await.expect_json(200);
+    assert_eq!(switched["mode"], "redis", "{switched}");
+
+    // Well within A's one-second mode refresh: A may still take sku-1 for a db-mode resource.
+    let stale = deduct_one("a2", "sku-1", 1, None);
+    let mut reply = shop_a.order("a2", &stale).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while reply.status() == 503 {
+        assert_problem(&reply, 503, "unavailable");
+        assert!(reply.header("retry-after").is_some(), "{:?}", reply.headers);
+        assert!(tokio::time::Instant::now() < deadline, "A still refuses after 5 s: {}", reply.text);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        reply = shop_a.order("a2", &stale).await;
+    }
+    let doc = reply.expect_json(201);
+    assert_eq!(doc["status"], "succeeded", "{doc}");
+    assert!(
+        sold_by_redis(&redis_url, &prefix, "sku-1", "a2").await,
+        "the stale order's sale must be Redis's, not the database copy's: {doc}"
+    );
+    sold += 1;
+    let again = shop_a.order("a2", &stale).await;
+    assert_eq!((again.status(), again.text.as_str(), again.replayed()), (201, reply.text.as_str(), true));
+
+    let mut n = 0;
+    let last = loop {
+        assert!(n < 20, "10 pieces cannot sell 20 times");
+        let key = format!("b{n}");
+        let reply = order_through_503(&shop_b, &key, &deduct_one(&key, "sku-1", 1, None)).await;
+        if reply.status() != 201 {
+            break reply;
+        }
+        sold += 1;
+        n += 1;
+    };
+    assert!(["sold_out", "insufficient"].contains(&reason(&last).as_str()), "{}", last.text);
+    assert_eq!(sold, 10, "exactly the 10 pieces in stock are sold, 8 of them through B");
+
+    let report = wait_settled(&shop_b, "sku-1", 10).await;
+    assert_in_line(&report, "sku-1");
+    assert_counts(&shop_b.state("sku-1").await, 0, 0, 10, 10);
+    assert_counts(&shop_a.state("sku-1").await, 0, 0, 10, 10);
+    shop_a.assert_ledger_replays_to_state("sku-1").await;
+    drop(sibling);
+}

@@ -22,7 +22,7 @@ use crate::time::Timestamp;
 /// Resource rows by tenant, then key, as the batch read them under its locks.
 pub type LockedRows = HashMap<String, HashMap<String, AdmissionRow>>;
 
-/// Maps the rows of the batch's locking read (`tenant_id, key, kind, status, buckets, available,
+/// Maps the rows of the batch's locking read (`tenant_id, key, kind, status, mode, buckets, available,
 /// reserved, consumed, version`).
 pub fn locked_rows(rows: &[sqlx::postgres::PgRow]) -> Result<LockedRows, StorageError> {
     let mut locked = LockedRows::new();
@@ -32,6 +32,7 @@ pub fn locked_rows(rows: &[sqlx::postgres::PgRow]) -> Result<LockedRows, Storage
         let parsed = AdmissionRow {
             kind: Kind::from_db(kind).ok_or_else(|| StorageError::Internal("unexpected resource kind".into()))?,
             active: status == "active",
+            redis: row.try_get::<&str, _>("mode")? == "redis",
             buckets: row.try_get("buckets")?,
             available: row.try_get("available")?,
             reserved: row.try_get("reserved")?,
@@ -44,11 +45,14 @@ pub fn locked_rows(rows: &[sqlx::postgres::PgRow]) -> Result<LockedRows, Storage
 }
 
 /// Whether admission may decide this order: no limits or creation, and every target it names
-/// that exists is a single-bucket row the batch locked.
+/// that exists is a single-bucket, database-mode row the batch locked.
 fn eligible(job: &OrderJob, rows: &LockedRows) -> bool {
     let tenant_rows = rows.get(job.tenant.as_str());
     admission::admissible(&job.plan)
-        && job.plan.resources().all(|key| tenant_rows.and_then(|r| r.get(key.as_str())).is_none_or(|r| r.buckets == 1))
+        && job
+            .plan
+            .resources()
+            .all(|key| tenant_rows.and_then(|r| r.get(key.as_str())).is_none_or(|r| r.buckets == 1 && !r.redis))
 }
 
 /// The column arrays of one multi-row statement.

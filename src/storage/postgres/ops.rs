@@ -485,7 +485,7 @@ const fn apply_sql(reserve: bool) -> &'static str {
         "WITH changed AS (
             UPDATE resources SET available = available - $1, reserved = reserved + $1,
                 version = version + 1, updated_at = $2
-            WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1
+            WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND mode = 'db' AND available >= $1
               AND ($5::text IS NULL OR kind = $5::text)
             RETURNING available, reserved, consumed, version)
          INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
@@ -496,7 +496,7 @@ const fn apply_sql(reserve: bool) -> &'static str {
         "WITH changed AS (
             UPDATE resources SET available = available - $1, consumed = consumed + $1,
                 version = version + 1, updated_at = $2
-            WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND available >= $1
+            WHERE tenant_id = $3 AND key = $4 AND status = 'active' AND mode = 'db' AND available >= $1
               AND ($5::text IS NULL OR kind = $5::text)
             RETURNING available, reserved, consumed, version)
          INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
@@ -612,6 +612,16 @@ async fn apply_target(
             };
             return buckets::take(conn, &bucket_facts, how, target, n, facts.seed, qty).await;
         }
+    }
+    // A resource that switched to redis mode is sold by Redis alone; an order planned before
+    // this process learnt of the switch retries (same key) and reaches the Redis path.
+    let mode: Option<String> = sqlx::query_scalar("SELECT mode FROM resources WHERE tenant_id = $1 AND key = $2")
+        .bind(tenant)
+        .bind(target.resource.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+    if mode.as_deref() == Some("redis") {
+        return Err(StorageError::Unavailable(format!("{} switched to redis mode", target.resource)));
     }
     // The guarded UPDATE refused, so some reason applied at that moment. Another process may
     // have changed the row since (a restock, say); then the refusal was for want of stock.

@@ -398,11 +398,13 @@ pub fn adjust(
 
 const DEDUCT_SQL: &str = "UPDATE resources SET available = available - ?1, consumed = consumed + ?1,
         version = version + 1, updated_at = ?2
-    WHERE tenant_id = ?3 AND key = ?4 AND status = 'active' AND available >= ?1 AND (?5 IS NULL OR kind = ?5)
+    WHERE tenant_id = ?3 AND key = ?4 AND status = 'active' AND mode = 'db' AND available >= ?1
+      AND (?5 IS NULL OR kind = ?5)
     RETURNING available, reserved, consumed, version";
 const RESERVE_SQL: &str = "UPDATE resources SET available = available - ?1, reserved = reserved + ?1,
         version = version + 1, updated_at = ?2
-    WHERE tenant_id = ?3 AND key = ?4 AND status = 'active' AND available >= ?1 AND (?5 IS NULL OR kind = ?5)
+    WHERE tenant_id = ?3 AND key = ?4 AND status = 'active' AND mode = 'db' AND available >= ?1
+      AND (?5 IS NULL OR kind = ?5)
     RETURNING available, reserved, consumed, version";
 
 /// The `(status, kind, available, buckets)` of a resource, for judging lines; a bucketed
@@ -423,6 +425,20 @@ pub fn line_view(
         )?
         .query_row(params![tenant, resource], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?)))
         .optional()?)
+}
+
+/// A resource that switched to redis mode is sold by Redis alone; an order planned before this
+/// process learnt of the switch must not take from the database copy. `Unavailable`: the
+/// client retries with the same key and reaches the Redis path.
+fn redis_mode_guard(conn: &Connection, tenant: &str, resource: &str) -> Result<(), StorageError> {
+    let mode: Option<String> = conn
+        .prepare_cached("SELECT mode FROM resources WHERE tenant_id = ?1 AND key = ?2")?
+        .query_row(params![tenant, resource], |row| row.get(0))
+        .optional()?;
+    match mode.as_deref() {
+        Some("redis") => Err(StorageError::Unavailable(format!("{resource} switched to redis mode"))),
+        _ => Ok(()),
+    }
 }
 
 /// `line_view` without the bucket count, as `line_refusal` takes it.
@@ -503,6 +519,7 @@ fn apply_target(
     let Some(after) = after else {
         // The guarded UPDATE refused, so some reason applies; `insufficient` if the row changed
         // shape in between (it cannot: this connection is the only writer).
+        redis_mode_guard(conn, tenant, target.resource.as_str())?;
         let view = line_view(conn, tenant, target.resource.as_str())?;
         return Ok(Err(line_refusal(judged(view), target, qty).unwrap_or(Reason::Insufficient)));
     };
@@ -745,8 +762,9 @@ pub fn execute_orders_fast(
 fn admission_row(conn: &Connection, tenant: &str, key: &str) -> Result<Option<admission::Row>, StorageError> {
     let row = conn
         .prepare_cached(
-            "SELECT kind, status, buckets, available, reserved, consumed, version FROM resources
-             WHERE tenant_id = ?1 AND key = ?2",
+            "SELECT kind, CASE WHEN mode = 'db' THEN status ELSE 'redis' END, buckets, available, reserved,
+                    consumed, version
+             FROM resources WHERE tenant_id = ?1 AND key = ?2",
         )?
         .query_row(params![tenant, key], |row| {
             Ok((
@@ -764,6 +782,7 @@ fn admission_row(conn: &Connection, tenant: &str, key: &str) -> Result<Option<ad
     Ok(Some(admission::Row {
         kind: Kind::from_db(&kind).ok_or_else(|| corrupt("resources.kind"))?,
         active: status == ResourceStatus::Active.as_str(),
+        redis: status == "redis",
         buckets,
         available,
         reserved,
