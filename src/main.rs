@@ -2,6 +2,7 @@
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    stockd::telemetry::limit_malloc_arenas();
     match stockd::cli::main().await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
