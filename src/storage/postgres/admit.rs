@@ -16,7 +16,7 @@ use ulid::Ulid;
 use crate::engine::admission::{self, Row as AdmissionRow};
 use crate::engine::{Action, Kind, OrderDocument, OrderStatus};
 use crate::storage::rules::{new_request_id, reservation_lines_json};
-use crate::storage::{Idempotent, OrderExecution, OrderJob, StorageError, StoredResponse};
+use crate::storage::{ContentType, Idempotent, OrderExecution, OrderJob, StorageError, StoredResponse};
 use crate::time::Timestamp;
 
 /// Resource rows by tenant, then key, as the batch read them under its locks.
@@ -93,8 +93,8 @@ struct Responses {
 }
 
 /// Decides the batch's orders together (see the module docs). `None` for an order left to the
-/// per-order path. Runs inside the caller's savepoint: on any error nothing of it stands, and an
-/// `Unavailable` error means the batch should run again.
+/// per-order path. Runs first in the batch's transaction: on any error the batch is rolled back
+/// and run again (an `Unavailable` error as a retry, any other without admission).
 pub async fn execute_orders_fast(
     conn: &mut PgConnection,
     jobs: &[(&OrderJob, i64)],
@@ -112,16 +112,33 @@ pub async fn execute_orders_fast(
         })
         .collect();
     let claimed = claim(conn, jobs, &candidates).await?;
+    let holds = |i: &usize| {
+        let job = jobs[*i].0;
+        claimed.contains(&(job.tenant.to_string(), job.idempotency.key.to_string()))
+    };
+    let (candidates, used_before): (Vec<usize>, Vec<usize>) = candidates.into_iter().partition(holds);
 
     let mut out: Vec<Option<OrderExecution>> = vec![None; jobs.len()];
+    // Keys used before (committed: the claim waited for any transaction holding them) are
+    // answered from their stored outcomes, read in one statement.
+    let mut stored = stored_outcomes(conn, jobs, &used_before).await?;
+    for i in used_before {
+        let job = jobs[i].0;
+        let id = (job.tenant.to_string(), job.idempotency.key.to_string());
+        out[i] = stored.remove(&id).map(|(hash, response)| OrderExecution {
+            response: if hash == job.idempotency.request_hash {
+                Idempotent::Replayed(response)
+            } else {
+                Idempotent::Mismatch
+            },
+            outcome: None,
+        });
+    }
     let (mut ledger, mut reservations, mut responses) =
         (Ledger::default(), Reservations::default(), Responses::default());
     let mut last_ms = 0;
     for i in candidates {
         let (job, now_ms) = jobs[i];
-        if !claimed.contains(&(job.tenant.to_string(), job.idempotency.key.to_string())) {
-            continue;
-        }
         let tenant_rows = rows.entry(job.tenant.to_string()).or_default();
         let Some(admitted) = admission::admit(tenant_rows, &job.plan, job.order.action) else {
             return Err(StorageError::Internal("an eligible order was not admissible".into()));
@@ -170,6 +187,44 @@ pub async fn execute_orders_fast(
     }
     write(conn, &changed_rows(&rows, &read_at), &ledger, &reservations, &responses, last_ms).await?;
     Ok(out)
+}
+
+/// The request hash and stored response of each of these jobs' keys that has one; a key
+/// without (purged meanwhile) is left to the per-order path.
+async fn stored_outcomes(
+    conn: &mut PgConnection,
+    jobs: &[(&OrderJob, i64)],
+    which: &[usize],
+) -> Result<HashMap<(String, String), (String, StoredResponse)>, StorageError> {
+    if which.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let tenants: Vec<String> = which.iter().map(|&i| jobs[i].0.tenant.to_string()).collect();
+    let keys: Vec<String> = which.iter().map(|&i| jobs[i].0.idempotency.key.to_string()).collect();
+    let rows = sqlx::query(
+        "SELECT i.tenant_id, i.key, i.request_hash, i.response_code, i.response_type, i.response_body
+         FROM idempotency i JOIN UNNEST($1::text[], $2::text[]) AS u (tenant_id, key)
+           ON i.tenant_id = u.tenant_id AND i.key = u.key
+         WHERE i.response_code IS NOT NULL",
+    )
+    .bind(&tenants)
+    .bind(&keys)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut found = HashMap::with_capacity(rows.len());
+    for row in rows {
+        let code: i32 = row.try_get("response_code")?;
+        let kind: Option<&str> = row.try_get("response_type")?;
+        let body: Option<String> = row.try_get("response_body")?;
+        let (Some(kind), Some(body)) = (kind, body) else { continue };
+        let response = StoredResponse {
+            status: u16::try_from(code).map_err(|_| StorageError::Internal("unexpected stored status".into()))?,
+            content_type: ContentType::from_db(kind),
+            body,
+        };
+        found.insert((row.try_get("tenant_id")?, row.try_get("key")?), (row.try_get("request_hash")?, response));
+    }
+    Ok(found)
 }
 
 /// Inserts the candidates' idempotency rows; returns the keys this transaction now holds.
