@@ -32,6 +32,13 @@ pub struct Row {
     pub version: i64,
 }
 
+impl Row {
+    /// Whether admission may decide against this row: one bucket, sold by the database.
+    pub fn admissible(&self) -> bool {
+        self.buckets == 1 && !self.redis
+    }
+}
+
 /// One change admission made: a ledger row to write.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Change {
@@ -61,7 +68,7 @@ pub fn admissible(plan: &Plan) -> bool {
 /// that does not exist) and applies its changes to them. `None`: a target is bucketed, so this
 /// (or in redis mode), so this order must take the per-order path; `rows` is then untouched.
 pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action) -> Option<Admitted> {
-    let elsewhere = |key: &str| rows.get(key).is_some_and(|r| r.buckets != 1 || r.redis);
+    let elsewhere = |key: &str| rows.get(key).is_some_and(|r| !r.admissible());
     if plan.lines.iter().flat_map(|l| &l.targets).any(|t| elsewhere(t.resource.as_str())) {
         return None;
     }

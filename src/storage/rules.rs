@@ -41,14 +41,18 @@ pub fn adjust_refusal(key: &ResourceKey, available: i64, delta: i64) -> Problem 
     }
 }
 
+/// A resource as lines are judged against it: `(status, kind, available, buckets)`, where a
+/// bucketed resource's available is its buckets' sum.
+pub type LineView = (String, String, i64, i64);
+
 /// Why a line cannot apply to a target, judged from the resource's current row (`None`: it can).
-pub fn line_refusal(row: Option<(String, String, i64)>, target: &Target, qty: i64) -> Option<Reason> {
-    let Some((status, kind, available)) = row else { return Some(Reason::ResourceNotFound) };
+pub fn line_refusal(row: Option<&LineView>, target: &Target, qty: i64) -> Option<Reason> {
+    let Some((status, kind, available, _)) = row else { return Some(Reason::ResourceNotFound) };
     if target.kind.is_some_and(|k| k.as_str() != kind) {
         Some(Reason::ResourceNotFound)
     } else if status != ResourceStatus::Active.as_str() {
         Some(Reason::ResourceInactive)
-    } else if available < qty {
+    } else if *available < qty {
         Some(Reason::Insufficient)
     } else {
         None
@@ -57,7 +61,7 @@ pub fn line_refusal(row: Option<(String, String, i64)>, target: &Target, qty: i6
 
 /// What a line would do now, for the dry run: `used` is its limit key's count so far, `views`
 /// the current rows of its targets (in order). Ignores interactions between lines of one order.
-pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<(String, String, i64)>>) -> LineResult {
+pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<LineView>>) -> LineResult {
     if line.limit.as_ref().is_some_and(|l| used.saturating_add(line.qty) > l.max) {
         return LineResult::Rejected(Reason::LimitExceeded);
     }
@@ -66,7 +70,7 @@ pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<(String, St
         let refusal = match (&view, target.create_if_missing) {
             (None, Some(allowance)) if allowance >= line.qty => None,
             (None, Some(_)) => Some(Reason::Insufficient),
-            _ => line_refusal(view, target, line.qty),
+            _ => line_refusal(view.as_ref(), target, line.qty),
         };
         match refusal {
             None => return LineResult::Applied(i),
@@ -78,18 +82,15 @@ pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<(String, St
     LineResult::Rejected(first_refusal.unwrap_or(Reason::ResourceNotFound))
 }
 
-/// A target's `(status, kind, available, buckets)` as a dry run judges it, refusing a plan
-/// that names a bucket the resource does not have (as the order itself would be refused).
-pub fn previewed(
-    target: &Target,
-    view: Option<(String, String, i64, i64)>,
-) -> Result<Option<(String, String, i64)>, StorageError> {
+/// A target's view as a dry run judges it, refusing a plan that names a bucket the resource
+/// does not have (as the order itself would be refused).
+pub fn previewed(target: &Target, view: Option<LineView>) -> Result<Option<LineView>, StorageError> {
     if let Some((.., n)) = &view {
         if *n > 1 {
             bucket_order(&target.buckets, *n, 0).map_err(StorageError::PlanRefused)?;
         }
     }
-    Ok(view.map(|(status, kind, available, _)| (status, kind, available)))
+    Ok(view)
 }
 
 /// The lines a reservation holds, as stored (JSON): each applied line with the resource it took

@@ -16,7 +16,7 @@ use ulid::Ulid;
 use crate::engine::admission::{self, Row as AdmissionRow};
 use crate::engine::{Action, Kind, OrderDocument, OrderStatus};
 use crate::storage::rules::{new_request_id, reservation_lines_json};
-use crate::storage::{ContentType, Idempotent, OrderExecution, OrderJob, StorageError, StoredResponse};
+use crate::storage::{Idempotent, OrderExecution, OrderJob, StorageError, StoredResponse};
 use crate::time::Timestamp;
 
 /// Resource rows by tenant, then key, as the batch read them under its locks.
@@ -52,7 +52,7 @@ fn eligible(job: &OrderJob, rows: &LockedRows) -> bool {
         && job
             .plan
             .resources()
-            .all(|key| tenant_rows.and_then(|r| r.get(key.as_str())).is_none_or(|r| r.buckets == 1 && !r.redis))
+            .all(|key| tenant_rows.and_then(|r| r.get(key.as_str())).is_none_or(AdmissionRow::admissible))
 }
 
 /// The column arrays of one multi-row statement.
@@ -204,8 +204,7 @@ async fn stored_outcomes(
     let rows = sqlx::query(
         "SELECT i.tenant_id, i.key, i.request_hash, i.response_code, i.response_type, i.response_body
          FROM idempotency i JOIN UNNEST($1::text[], $2::text[]) AS u (tenant_id, key)
-           ON i.tenant_id = u.tenant_id AND i.key = u.key
-         WHERE i.response_code IS NOT NULL",
+           ON i.tenant_id = u.tenant_id AND i.key = u.key",
     )
     .bind(&tenants)
     .bind(&keys)
@@ -213,16 +212,9 @@ async fn stored_outcomes(
     .await?;
     let mut found = HashMap::with_capacity(rows.len());
     for row in rows {
-        let code: i32 = row.try_get("response_code")?;
-        let kind: Option<&str> = row.try_get("response_type")?;
-        let body: Option<String> = row.try_get("response_body")?;
-        let (Some(kind), Some(body)) = (kind, body) else { continue };
-        let response = StoredResponse {
-            status: u16::try_from(code).map_err(|_| StorageError::Internal("unexpected stored status".into()))?,
-            content_type: ContentType::from_db(kind),
-            body,
-        };
-        found.insert((row.try_get("tenant_id")?, row.try_get("key")?), (row.try_get("request_hash")?, response));
+        if let Some(response) = super::ops::stored_response(&row)? {
+            found.insert((row.try_get("tenant_id")?, row.try_get("key")?), (row.try_get("request_hash")?, response));
+        }
     }
     Ok(found)
 }

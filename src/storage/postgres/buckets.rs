@@ -10,11 +10,10 @@
 
 use sqlx::{PgConnection, Row};
 
-use super::ops::resource_from_row;
 use crate::engine::{BucketCounts, BucketTake, LedgerOp, Reason, ResourceState, Target, TenantId, MAX_TOTAL};
 use crate::storage::rules::{
     bucket_order, bucket_rows, bucket_takes, new_request_id, rebalance_moves, split_evenly, write_off_takes,
-    BUCKET_COLUMNS, RESOURCE_COLUMNS,
+    BUCKET_COLUMNS,
 };
 use crate::storage::{NewResource, StorageError};
 
@@ -191,24 +190,24 @@ pub async fn take(
 }
 
 /// A restock (spread evenly) or write-off (fullest buckets first) of a bucketed resource.
-/// `Ok(None)`: a write-off larger than the available total, or a restock past the largest total;
-/// nothing changed. The state after, otherwise.
+/// `Err(available)`: a write-off larger than the available total, or a restock past the largest
+/// total; nothing changed. The state after, otherwise.
 pub async fn adjust(
     conn: &mut PgConnection,
     tenant: &TenantId,
     state: ResourceState,
     delta: i64,
     now_ms: i64,
-) -> Result<Option<ResourceState>, StorageError> {
+) -> Result<Result<ResourceState, i64>, StorageError> {
     let state = complete(conn, tenant.as_str(), state).await?;
     let available: Vec<i64> = state.bucket_counts.iter().flatten().map(|b| b.available).collect();
     let moves: Vec<(i64, i64)> = if delta >= 0 {
         if state.total.saturating_add(delta) > MAX_TOTAL {
-            return Ok(None);
+            return Ok(Err(state.available));
         }
         split_evenly(delta, state.buckets).into_iter().enumerate().map(|(b, d)| (b as i64, d)).collect()
     } else {
-        let Some(takes) = write_off_takes(&available, delta.saturating_neg()) else { return Ok(None) };
+        let Some(takes) = write_off_takes(&available, delta.saturating_neg()) else { return Ok(Err(state.available)) };
         takes.into_iter().map(|(b, q)| (b, -q)).collect()
     };
     let request_id = new_request_id();
@@ -227,12 +226,8 @@ pub async fn adjust(
             return Err(moved_meanwhile(&state.key, bucket));
         }
     }
-    let row = sqlx::query(&format!("SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = $1 AND key = $2"))
-        .bind(tenant.as_str())
-        .bind(&state.key)
-        .fetch_one(&mut *conn)
-        .await?;
-    complete(conn, tenant.as_str(), resource_from_row(&row)?).await.map(Some)
+    // The resource row is unchanged; its buckets are read again for the state after.
+    complete(conn, tenant.as_str(), state).await.map(Ok)
 }
 
 /// Evens out `available` across the buckets of up to `limit` resources whose buckets differ by

@@ -184,6 +184,25 @@ enum Ran {
     Transient(String),
 }
 
+impl Ran {
+    /// How a run that ended with `result` went.
+    fn of<T>(result: &Result<T, StorageError>) -> Self {
+        match result {
+            Ok(_) => Ran::Kept,
+            Err(StorageError::Unavailable(why)) => Ran::Transient(why.clone()),
+            Err(StorageError::Internal(_) | StorageError::PlanRefused(_)) => Ran::Failed,
+        }
+    }
+}
+
+/// What a job's caller hears once its batch's fate is known: the committed run's result.
+fn committed<T>(result: Option<Result<T, StorageError>>, batch: Result<(), StorageError>) -> Result<T, StorageError> {
+    match batch {
+        Ok(()) => result.unwrap_or_else(|| Err(StorageError::Internal("a committed job never ran".into()))),
+        Err(err) => Err(err),
+    }
+}
+
 /// A queued job with its result type erased, so one batch can hold writes of every kind.
 trait Queued: Send {
     fn locks(&self) -> &[(String, String)];
@@ -214,22 +233,14 @@ impl Queued for PendingOrder {
     fn run<'a>(&'a mut self, conn: &'a mut PgConnection) -> BoxFuture<'a, Ran> {
         Box::pin(async move {
             let result = ops::execute_order(conn, &self.job, self.now_ms).await;
-            let ran = match &result {
-                Ok(_) => Ran::Kept,
-                Err(StorageError::Unavailable(why)) => Ran::Transient(why.clone()),
-                Err(StorageError::Internal(_) | StorageError::PlanRefused(_)) => Ran::Failed,
-            };
+            let ran = Ran::of(&result);
             self.result = Some(result);
             ran
         })
     }
 
     fn answer(self: Box<Self>, batch: Result<(), StorageError>) {
-        let reply = match batch {
-            Ok(()) => self.result.unwrap_or_else(|| Err(StorageError::Internal("a committed order never ran".into()))),
-            Err(err) => Err(err),
-        };
-        let _ = self.reply.send(reply);
+        let _ = self.reply.send(committed(self.result, batch));
     }
 
     fn as_order(&mut self) -> Option<&mut PendingOrder> {
@@ -253,23 +264,15 @@ impl<T: Send + 'static> Queued for Pending<T> {
     fn run<'a>(&'a mut self, conn: &'a mut PgConnection) -> BoxFuture<'a, Ran> {
         Box::pin(async move {
             let result = (self.work)(conn).await;
-            let ran = match &result {
-                Ok(_) => Ran::Kept,
-                Err(StorageError::Unavailable(why)) => Ran::Transient(why.clone()),
-                Err(StorageError::Internal(_) | StorageError::PlanRefused(_)) => Ran::Failed,
-            };
+            let ran = Ran::of(&result);
             self.result = Some(result);
             ran
         })
     }
 
     fn answer(self: Box<Self>, batch: Result<(), StorageError>) {
-        let reply = match batch {
-            Ok(()) => self.result.unwrap_or_else(|| Err(StorageError::Internal("a committed job never ran".into()))),
-            Err(err) => Err(err),
-        };
         // The caller may have gone away (client disconnected); its effects stand.
-        let _ = self.reply.send(reply);
+        let _ = self.reply.send(committed(self.result, batch));
     }
 }
 

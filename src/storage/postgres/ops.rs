@@ -21,7 +21,7 @@ use crate::engine::{
     Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
 use crate::storage::rules::{
-    adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, RESOURCE_COLUMNS,
+    adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, LineView, RESOURCE_COLUMNS,
 };
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
@@ -173,19 +173,26 @@ async fn idempotency_claim(
     if hash != idem.request_hash {
         return Ok(Some(Idempotent::Mismatch));
     }
+    // Committed rows always carry their response (it is written in the transaction that inserted
+    // them), so a missing one means this transaction claimed the key and did not finish it.
+    let Some(response) = stored_response(&row)? else {
+        return Err(StorageError::Internal(format!("idempotency key {} has no stored response", idem.key.as_str())));
+    };
+    Ok(Some(Idempotent::Replayed(response)))
+}
+
+/// The response stored in an idempotency row (`response_code, response_type, response_body`);
+/// `None` while its key is claimed but not yet answered.
+pub(super) fn stored_response(row: &PgRow) -> Result<Option<StoredResponse>, StorageError> {
     let code: Option<i32> = row.try_get("response_code")?;
     let kind: Option<&str> = row.try_get("response_type")?;
     let body: Option<String> = row.try_get("response_body")?;
-    // Committed rows always carry their response (it is written in the transaction that inserted
-    // them), so a missing one means this transaction claimed the key and did not finish it.
-    let (Some(code), Some(kind), Some(body)) = (code, kind, body) else {
-        return Err(StorageError::Internal(format!("idempotency key {} has no stored response", idem.key.as_str())));
-    };
-    Ok(Some(Idempotent::Replayed(StoredResponse {
+    let (Some(code), Some(kind), Some(body)) = (code, kind, body) else { return Ok(None) };
+    Ok(Some(StoredResponse {
         status: u16::try_from(code).map_err(|_| corrupt("idempotency.response_code"))?,
         content_type: ContentType::from_db(kind),
         body,
-    })))
+    }))
 }
 
 /// Stores the response of a key claimed by [`idempotency_claim`], in the same transaction as
@@ -419,10 +426,9 @@ pub async fn adjust(
     .await?;
     if let Some(row) = bucketed {
         let state = resource_from_row(&row)?;
-        let available = buckets::complete(conn, tenant.as_str(), state.clone()).await?.available;
         let response = match buckets::adjust(conn, tenant, state, delta, now_ms).await? {
-            Some(state) => StoredResponse::json(200, &state)?,
-            None => StoredResponse::problem(&adjust_refusal(key, available, delta))?,
+            Ok(state) => StoredResponse::json(200, &state)?,
+            Err(available) => StoredResponse::problem(&adjust_refusal(key, available, delta))?,
         };
         idempotency_finish(conn, tenant, idem, &response).await?;
         return Ok(Ok(Idempotent::Fresh(response)));
@@ -522,7 +528,7 @@ pub(super) async fn line_view(
     conn: &mut PgConnection,
     tenant: &str,
     resource: &str,
-) -> Result<Option<(String, String, i64, i64)>, StorageError> {
+) -> Result<Option<LineView>, StorageError> {
     Ok(sqlx::query_as(LINE_VIEW_SQL).bind(tenant).bind(resource).fetch_optional(&mut *conn).await?)
 }
 
@@ -533,11 +539,6 @@ pub(super) const LINE_VIEW_SQL: &str = "SELECT status, kind,
            WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key) END AS available,
         buckets
     FROM resources r WHERE tenant_id = $1 AND key = $2";
-
-/// `line_view` without the bucket count, as `line_refusal` takes it.
-pub(super) fn judged(view: Option<(String, String, i64, i64)>) -> Option<(String, String, i64)> {
-    view.map(|(status, kind, available, _)| (status, kind, available))
-}
 
 /// Identity shared by every ledger row of one order.
 struct OrderFacts<'a> {
@@ -593,7 +594,7 @@ async fn apply_target(
     if let Some((.., n)) = view {
         if n > 1 {
             // A bucketed resource's row holds no counters; its buckets take the line.
-            if let Some(reason) = line_refusal(judged(view), target, qty) {
+            if let Some(reason) = line_refusal(view.as_ref(), target, qty) {
                 return Ok(Err(reason));
             }
             let (how, op) = match facts.action {
@@ -625,7 +626,7 @@ async fn apply_target(
     }
     // The guarded UPDATE refused, so some reason applied at that moment. Another process may
     // have changed the row since (a restock, say); then the refusal was for want of stock.
-    Ok(Err(line_refusal(judged(view), target, qty).unwrap_or(Reason::Insufficient)))
+    Ok(Err(line_refusal(view.as_ref(), target, qty).unwrap_or(Reason::Insufficient)))
 }
 
 /// Counts `qty` against a per-user limit if it stays within `max`; `false`: it would not.

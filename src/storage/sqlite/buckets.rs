@@ -4,7 +4,7 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::ops::{append_ledger, corrupt, resource_from_row, After, LedgerFacts};
+use super::ops::{append_ledger, corrupt, After, LedgerFacts};
 use crate::engine::{BucketCounts, BucketTake, LedgerOp, Reason, ResourceState, Target, TenantId, MAX_TOTAL};
 use crate::storage::rules::{
     bucket_order, bucket_takes, new_request_id, rebalance_moves, split_evenly, write_off_takes,
@@ -92,37 +92,24 @@ pub enum Move {
 
 impl Move {
     fn sql(self) -> &'static str {
+        macro_rules! bucket_move {
+            ($set:literal, $guard:literal) => {
+                concat!(
+                    "UPDATE resource_buckets SET ",
+                    $set,
+                    ", version = version + 1, updated_at = ?2
+                     WHERE tenant_id = ?3 AND resource_key = ?4 AND bucket = ?5 AND ",
+                    $guard,
+                    " RETURNING available, reserved, consumed, version"
+                )
+            };
+        }
         match self {
-            Move::Deduct => {
-                "UPDATE resource_buckets SET available = available - ?1, consumed = consumed + ?1,
-                    version = version + 1, updated_at = ?2
-                 WHERE tenant_id = ?3 AND resource_key = ?4 AND bucket = ?5 AND available >= ?1
-                 RETURNING available, reserved, consumed, version"
-            }
-            Move::Reserve => {
-                "UPDATE resource_buckets SET available = available - ?1, reserved = reserved + ?1,
-                    version = version + 1, updated_at = ?2
-                 WHERE tenant_id = ?3 AND resource_key = ?4 AND bucket = ?5 AND available >= ?1
-                 RETURNING available, reserved, consumed, version"
-            }
-            Move::Confirm => {
-                "UPDATE resource_buckets SET reserved = reserved - ?1, consumed = consumed + ?1,
-                    version = version + 1, updated_at = ?2
-                 WHERE tenant_id = ?3 AND resource_key = ?4 AND bucket = ?5 AND reserved >= ?1
-                 RETURNING available, reserved, consumed, version"
-            }
-            Move::Unreserve => {
-                "UPDATE resource_buckets SET reserved = reserved - ?1, available = available + ?1,
-                    version = version + 1, updated_at = ?2
-                 WHERE tenant_id = ?3 AND resource_key = ?4 AND bucket = ?5 AND reserved >= ?1
-                 RETURNING available, reserved, consumed, version"
-            }
-            Move::Adjust => {
-                "UPDATE resource_buckets SET available = available + ?1, total = total + ?1,
-                    version = version + 1, updated_at = ?2
-                 WHERE tenant_id = ?3 AND resource_key = ?4 AND bucket = ?5 AND available + ?1 >= 0
-                 RETURNING available, reserved, consumed, version"
-            }
+            Move::Deduct => bucket_move!("available = available - ?1, consumed = consumed + ?1", "available >= ?1"),
+            Move::Reserve => bucket_move!("available = available - ?1, reserved = reserved + ?1", "available >= ?1"),
+            Move::Confirm => bucket_move!("reserved = reserved - ?1, consumed = consumed + ?1", "reserved >= ?1"),
+            Move::Unreserve => bucket_move!("reserved = reserved - ?1, available = available + ?1", "reserved >= ?1"),
+            Move::Adjust => bucket_move!("available = available + ?1, total = total + ?1", "available + ?1 >= 0"),
         }
     }
 }
@@ -203,24 +190,24 @@ pub fn take(
 }
 
 /// A restock (spread evenly) or write-off (fullest buckets first) of a bucketed resource.
-/// `Ok(None)`: a write-off larger than the available total, or a restock past the largest total;
-/// nothing changed. The state after, otherwise.
+/// `Err(available)`: a write-off larger than the available total, or a restock past the largest
+/// total; nothing changed. The state after, otherwise.
 pub fn adjust(
     conn: &Connection,
     tenant: &TenantId,
     state: ResourceState,
     delta: i64,
     now_ms: i64,
-) -> Result<Option<ResourceState>, StorageError> {
+) -> Result<Result<ResourceState, i64>, StorageError> {
     let state = complete(conn, tenant.as_str(), state)?;
     let available: Vec<i64> = state.bucket_counts.iter().flatten().map(|b| b.available).collect();
     let moves: Vec<(i64, i64)> = if delta >= 0 {
         if state.total.saturating_add(delta) > MAX_TOTAL {
-            return Ok(None);
+            return Ok(Err(state.available));
         }
         split_evenly(delta, state.buckets).into_iter().enumerate().map(|(b, d)| (b as i64, d)).collect()
     } else {
-        let Some(takes) = write_off_takes(&available, delta.saturating_neg()) else { return Ok(None) };
+        let Some(takes) = write_off_takes(&available, delta.saturating_neg()) else { return Ok(Err(state.available)) };
         takes.into_iter().map(|(b, q)| (b, -q)).collect()
     };
     let request_id = new_request_id();
@@ -239,13 +226,8 @@ pub fn adjust(
             return Err(StorageError::Internal(format!("bucket {bucket} of {} changed under the writer", state.key)));
         }
     }
-    let row = conn
-        .prepare_cached(&format!(
-            "SELECT {} FROM resources WHERE tenant_id = ?1 AND key = ?2",
-            crate::storage::rules::RESOURCE_COLUMNS
-        ))?
-        .query_row(params![tenant.as_str(), state.key], resource_from_row)?;
-    complete(conn, tenant.as_str(), row?).map(Some)
+    // The resource row is unchanged; its buckets are read again for the state after.
+    complete(conn, tenant.as_str(), state).map(Ok)
 }
 
 /// Evens out `available` across the buckets of up to `limit` resources whose buckets differ by

@@ -16,7 +16,9 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use sqlx::{ConnectOptions, Row};
 
 use self::writer::{Writer, WriterLimits};
-use super::rules::{bucket_rows, fold_all, preview_line, previewed, reconcile_rows, BUCKET_COLUMNS, RESOURCE_COLUMNS};
+use super::rules::{
+    bucket_rows, fold_all, preview_line, previewed, reconcile_rows, LineView, BUCKET_COLUMNS, RESOURCE_COLUMNS,
+};
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
@@ -450,7 +452,7 @@ impl Storage for SqliteStorage {
             };
             let mut views = Vec::with_capacity(line.targets.len());
             for target in &line.targets {
-                let view: Option<(String, String, i64, i64)> = sqlx::query_as(PREVIEW_VIEW)
+                let view: Option<LineView> = sqlx::query_as(PREVIEW_VIEW)
                     .bind(tenant.as_str())
                     .bind(target.resource.as_str())
                     .fetch_optional(&mut *tx)

@@ -17,7 +17,7 @@ use crate::engine::{
     Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
 use crate::storage::rules::{
-    adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, RESOURCE_COLUMNS,
+    adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, LineView, RESOURCE_COLUMNS,
 };
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
@@ -47,7 +47,7 @@ pub(super) fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
 }
 
-pub(super) fn resource_from_row(row: &Row<'_>) -> rusqlite::Result<Result<ResourceState, StorageError>> {
+fn resource_from_row(row: &Row<'_>) -> rusqlite::Result<Result<ResourceState, StorageError>> {
     let kind: String = row.get("kind")?;
     let status: String = row.get("status")?;
     let mode: String = row.get("mode")?;
@@ -347,10 +347,9 @@ pub fn adjust(
         .optional()?
         .transpose()?;
     if let Some(state) = bucketed {
-        let available = buckets::complete(conn, tenant.as_str(), state.clone())?.available;
         let response = match buckets::adjust(conn, tenant, state, delta, now_ms)? {
-            Some(state) => StoredResponse::json(200, &state)?,
-            None => StoredResponse::problem(&adjust_refusal(key, available, delta))?,
+            Ok(state) => StoredResponse::json(200, &state)?,
+            Err(available) => StoredResponse::problem(&adjust_refusal(key, available, delta))?,
         };
         idempotency_store(conn, tenant, idem, &response, now_ms)?;
         return Ok(Ok(Idempotent::Fresh(response)));
@@ -409,11 +408,7 @@ const RESERVE_SQL: &str = "UPDATE resources SET available = available - ?1, rese
 
 /// The `(status, kind, available, buckets)` of a resource, for judging lines; a bucketed
 /// resource's available is its buckets' sum.
-pub fn line_view(
-    conn: &Connection,
-    tenant: &str,
-    resource: &str,
-) -> Result<Option<(String, String, i64, i64)>, StorageError> {
+pub fn line_view(conn: &Connection, tenant: &str, resource: &str) -> Result<Option<LineView>, StorageError> {
     Ok(conn
         .prepare_cached(
             "SELECT status, kind,
@@ -439,11 +434,6 @@ fn redis_mode_guard(conn: &Connection, tenant: &str, resource: &str) -> Result<(
         Some("redis") => Err(StorageError::Unavailable(format!("{resource} switched to redis mode"))),
         _ => Ok(()),
     }
-}
-
-/// `line_view` without the bucket count, as `line_refusal` takes it.
-fn judged(view: Option<(String, String, i64, i64)>) -> Option<(String, String, i64)> {
-    view.map(|(status, kind, available, _)| (status, kind, available))
 }
 
 /// Identity shared by every ledger row of one order.
@@ -494,7 +484,7 @@ fn apply_target(
             }
             (Some((.., n)), _) if *n > 1 => {
                 // A bucketed resource's row holds no counters; its buckets take the line.
-                if let Some(reason) = line_refusal(judged(view.clone()), target, qty) {
+                if let Some(reason) = line_refusal(view.as_ref(), target, qty) {
                     return Ok(Err(reason));
                 }
                 let how = match facts.action {
@@ -521,7 +511,7 @@ fn apply_target(
         // shape in between (it cannot: this connection is the only writer).
         redis_mode_guard(conn, tenant, target.resource.as_str())?;
         let view = line_view(conn, tenant, target.resource.as_str())?;
-        return Ok(Err(line_refusal(judged(view), target, qty).unwrap_or(Reason::Insufficient)));
+        return Ok(Err(line_refusal(view.as_ref(), target, qty).unwrap_or(Reason::Insufficient)));
     };
     let ledger = LedgerFacts {
         tenant,
