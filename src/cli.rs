@@ -44,6 +44,9 @@ pub enum PluginCommand {
         /// A TOML file of sample orders (see plugins/README.md); a built-in sample otherwise.
         #[arg(long)]
         cases: Option<PathBuf>,
+        /// The server's config file: check under its `[plugins]` limits (defaults otherwise).
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
 }
 
@@ -60,8 +63,9 @@ pub async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) => crate::bench::run(args).await,
-        Command::Plugin { command: PluginCommand::Check { file, cases } } => {
-            crate::plugin::check(&file, cases.as_deref())
+        Command::Plugin { command: PluginCommand::Check { file, cases, config } } => {
+            let limits = Config::load(config.as_deref())?.plugins.limits();
+            crate::plugin::check(&file, cases.as_deref(), limits).await
         }
     }
 }

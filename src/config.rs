@@ -4,6 +4,7 @@
 //! message naming the setting.
 
 use std::path::Path;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use serde::Deserialize;
@@ -41,6 +42,31 @@ pub struct PluginsConfig {
     /// How long a process trusts its cached view of a tenant's active version; an upload or
     /// activation through another process takes effect here within this time.
     pub cache_ttl_ms: u64,
+    /// Wall-clock deadline of one plan call, besides fuel.
+    pub plan_timeout_ms: u64,
+    /// Instances alive at once across all plugins (sizes the instance pool).
+    pub max_live_instances: u32,
+    /// Threads that run plugin calls (0: one per core, at least 2).
+    pub plan_threads: usize,
+    /// Plugin calls one tenant may have running or waiting at once (0: half the threads).
+    pub max_concurrent_plans_per_tenant: usize,
+    /// How long a call waits for a place before `429` (its tenant's) or `503` (the pool's).
+    pub plan_wait_ms: u64,
+    /// Niceness of the plan threads (0-19; 0: the server's own priority).
+    pub plan_thread_nice: i32,
+    /// Wall-clock deadline of one compile.
+    pub compile_timeout_ms: u64,
+    /// Address space a compiler child may map.
+    pub compile_memory_bytes: u64,
+    /// CPU time a compiler child may use (rounded up to whole seconds).
+    pub compile_cpu_ms: u64,
+    /// Compiles running at once (each in its own child process).
+    pub max_concurrent_compiles: usize,
+    /// Structural limits checked before compiling.
+    pub max_functions: usize,
+    pub max_function_body_bytes: usize,
+    pub max_locals_per_function: u64,
+    pub max_block_depth: usize,
 }
 
 impl Default for PluginsConfig {
@@ -52,6 +78,20 @@ impl Default for PluginsConfig {
             max_memory_bytes: limits.max_memory_bytes,
             calls_per_instance: limits.calls_per_instance,
             cache_ttl_ms: 1_000,
+            plan_timeout_ms: limits.plan_timeout.as_millis() as u64,
+            max_live_instances: limits.max_live_instances,
+            plan_threads: 0,
+            max_concurrent_plans_per_tenant: 0,
+            plan_wait_ms: 100,
+            plan_thread_nice: 0,
+            compile_timeout_ms: limits.compile.timeout.as_millis() as u64,
+            compile_memory_bytes: limits.compile.memory_bytes,
+            compile_cpu_ms: limits.compile.cpu.as_millis() as u64,
+            max_concurrent_compiles: limits.max_concurrent_compiles,
+            max_functions: limits.shape.max_functions,
+            max_function_body_bytes: limits.shape.max_function_body_bytes,
+            max_locals_per_function: limits.shape.max_locals_per_function,
+            max_block_depth: limits.shape.max_block_depth,
         }
     }
 }
@@ -63,7 +103,39 @@ impl PluginsConfig {
             fuel_per_call: self.fuel_per_call,
             max_memory_bytes: self.max_memory_bytes,
             calls_per_instance: self.calls_per_instance,
+            max_live_instances: self.max_live_instances,
+            plan_timeout: Duration::from_millis(self.plan_timeout_ms),
+            max_concurrent_compiles: self.max_concurrent_compiles,
+            compile: crate::plugin::CompileLimits {
+                timeout: Duration::from_millis(self.compile_timeout_ms),
+                memory_bytes: self.compile_memory_bytes,
+                cpu: Duration::from_millis(self.compile_cpu_ms),
+                ..crate::plugin::CompileLimits::default()
+            },
+            shape: crate::plugin::ShapeLimits {
+                max_functions: self.max_functions,
+                max_function_body_bytes: self.max_function_body_bytes,
+                max_locals_per_function: self.max_locals_per_function,
+                max_block_depth: self.max_block_depth,
+            },
             ..crate::plugin::PluginLimits::default()
+        }
+    }
+
+    /// The plan pool's size and shares; zeros pick this machine's defaults.
+    pub fn pool(&self) -> crate::plugin::PoolSettings {
+        let auto = crate::plugin::PoolSettings::for_this_machine();
+        let threads = if self.plan_threads == 0 { auto.threads } else { self.plan_threads };
+        let per_tenant = if self.max_concurrent_plans_per_tenant == 0 {
+            (threads / 2).max(1)
+        } else {
+            self.max_concurrent_plans_per_tenant
+        };
+        crate::plugin::PoolSettings {
+            threads,
+            per_tenant,
+            wait: Duration::from_millis(self.plan_wait_ms),
+            nice: self.plan_thread_nice,
         }
     }
 }
@@ -364,6 +436,15 @@ impl Config {
             ("plugins.fuel_per_call", self.plugins.fuel_per_call),
             ("plugins.max_memory_bytes", self.plugins.max_memory_bytes as u64),
             ("plugins.calls_per_instance", u64::from(self.plugins.calls_per_instance)),
+            ("plugins.plan_timeout_ms", self.plugins.plan_timeout_ms),
+            ("plugins.compile_timeout_ms", self.plugins.compile_timeout_ms),
+            ("plugins.compile_memory_bytes", self.plugins.compile_memory_bytes),
+            ("plugins.compile_cpu_ms", self.plugins.compile_cpu_ms),
+            ("plugins.max_concurrent_compiles", self.plugins.max_concurrent_compiles as u64),
+            ("plugins.max_functions", self.plugins.max_functions as u64),
+            ("plugins.max_function_body_bytes", self.plugins.max_function_body_bytes as u64),
+            ("plugins.max_locals_per_function", self.plugins.max_locals_per_function),
+            ("plugins.max_block_depth", self.plugins.max_block_depth as u64),
         ];
         for (name, value) in positive {
             if value == 0 {
@@ -377,6 +458,17 @@ impl Config {
         }
         if self.redis.timeout_ms == 0 || self.redis.settle_batch == 0 || self.redis.settle_batch > 10_000 {
             bail!("redis.timeout_ms must be > 0 and redis.settle_batch between 1 and 10000");
+        }
+        if self.plugins.max_live_instances < 2 {
+            bail!("plugins.max_live_instances must be at least 2");
+        }
+        if self.plugins.compile_timeout_ms >= self.server.request_timeout_ms {
+            // An upload waits for its compile; a compile outliving its request would be work
+            // nobody gets an answer for.
+            bail!("plugins.compile_timeout_ms must be less than server.request_timeout_ms");
+        }
+        if self.plugins.plan_timeout_ms >= self.server.request_timeout_ms {
+            bail!("plugins.plan_timeout_ms must be less than server.request_timeout_ms");
         }
         if self.orders.max_lines > 1000 {
             bail!("orders.max_lines must be at most 1000");

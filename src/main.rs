@@ -1,9 +1,23 @@
 //! The `stockd` binary; everything lives in the library.
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
+    // A plugin compiler child (see `plugin::compile`) does its one job before any runtime or
+    // thread starts, under the limits its parent set.
+    if let Some(code) = stockd::plugin::compile::child_main_if_requested() {
+        return code;
+    }
     stockd::telemetry::limit_malloc_arenas();
-    match stockd::cli::main().await {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("stockd: starting the async runtime: {err}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(stockd::cli::main());
+    // Whatever is still running (a blocking read, a timer) ends with the process.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("stockd: {err:#}");

@@ -14,7 +14,7 @@ use crate::auth::{self, Authenticator};
 use crate::config::{Config, RunMode};
 use crate::engine::{ResourceKey, TenantId};
 use crate::jobs::{self, JobSettings};
-use crate::plugin::{PluginHost, Registry};
+use crate::plugin::{PlanPool, PluginHost, Registry};
 use crate::storage::postgres::{PgSettings, PgStorage};
 use crate::storage::sqlite::{SqliteSettings, SqliteStorage};
 use crate::storage::writer_limits;
@@ -117,7 +117,7 @@ async fn declare_tenants(storage: &Arc<dyn Storage>, plugins: &Registry, config:
             let wasm =
                 std::fs::read(path).with_context(|| format!("tenant {id}: reading plugin {}", path.display()))?;
             let plugin = plugins
-                .load(Arc::new(wasm.clone()))
+                .load(&id, Arc::from(wasm.as_slice()))
                 .await
                 .map_err(|e| anyhow::anyhow!("tenant {id}: plugin {}: {e}", path.display()))?;
             let active = storage.active_plugin(&id).await?;
@@ -156,8 +156,10 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     let (admin_hash, minted_admin) = admin_token(&config)?;
     let metrics = crate::telemetry::init_metrics()?;
     let storage = open_storage(&config).await?;
-    let host = Arc::new(PluginHost::new(config.plugins.limits()).context("starting the plugin host")?);
-    let plugins = Arc::new(Registry::new(host, storage.clone(), Duration::from_millis(config.plugins.cache_ttl_ms)));
+    let host = PluginHost::new(config.plugins.limits()).context("starting the plugin host")?;
+    let pool = PlanPool::new(config.plugins.pool()).context("starting the plan pool")?;
+    let plugins =
+        Arc::new(Registry::new(host, pool, storage.clone(), Duration::from_millis(config.plugins.cache_ttl_ms)));
     declare_tenants(&storage, &plugins, &config).await?;
     let listener =
         TcpListener::bind(&config.server.listen).await.with_context(|| format!("binding {}", config.server.listen))?;
@@ -223,9 +225,12 @@ pub async fn run(
     }
 
     let (signalled_tx, mut signalled_rx) = watch::channel(false);
+    let plugins = state.plugins.clone();
     let shutdown = async move {
         shutdown.await;
         tracing::info!("shutting down: finishing in-flight requests");
+        // A compile can take seconds and no answer depends on it any more.
+        plugins.host().stop_compiles();
         let _ = signalled_tx.send(true);
     };
     let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown);

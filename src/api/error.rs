@@ -43,6 +43,15 @@ impl ApiError {
         Self { retry_after_s: Some(1), ..Self::new(503, "unavailable", "Service unavailable", detail) }
     }
 
+    /// The caller's own excess (its tenant's share of a limited resource is in use): retry
+    /// after the given seconds. Never stored as an idempotent outcome.
+    pub fn too_many_requests(detail: &str, retry_after_s: u32) -> Self {
+        Self {
+            retry_after_s: Some(retry_after_s.max(1)),
+            ..Self::new(429, "too_many_requests", "Too many requests", detail)
+        }
+    }
+
     pub fn internal() -> Self {
         Self::new(500, "internal", "Internal error", "the request failed; nothing was applied")
     }

@@ -33,6 +33,8 @@ fn validate(state: &SharedState, body: OrderBody) -> Result<OrderRequest, ApiErr
 async fn plan(state: &SharedState, tenant: &TenantId, order: &OrderRequest, now_ms: i64) -> Result<Plan, ApiError> {
     state.plugins.plan(tenant, order, now_ms).await.map_err(|e| match e {
         PlanFailure::Plugin(reason) => ApiError::new(422, "plugin_failed", "Plugin failed", reason),
+        PlanFailure::TenantBusy(why) => ApiError::too_many_requests(&why, 1),
+        PlanFailure::Unavailable(why) => ApiError::unavailable(&why),
         PlanFailure::Storage(err) => err.into(),
     })
 }
@@ -64,6 +66,7 @@ fn record_outcome(status: OrderStatus, lines: &[LineResult]) {
         (status = 400, description = "validation_failed / idempotency_key_missing", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 409, description = "rejected: nothing applied", body = OrderDocument),
         (status = 422, description = "idempotency_key_mismatch / plugin_failed", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "too_many_requests: the tenant's share of plugin calls is in use; nothing applied, retry after Retry-After", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 503, description = "unavailable: nothing applied", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn create_order(
@@ -95,6 +98,8 @@ pub async fn create_order(
         (status = 200, body = DryRun),
         (status = 400, body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 422, description = "plugin_failed", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "too_many_requests: the tenant's share of plugin calls is in use", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "unavailable", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn dry_run(
     Tenant(auth): Tenant,

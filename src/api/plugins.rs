@@ -16,7 +16,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::error::ApiError;
 use super::extract::Tenant;
 use super::SharedState;
-use crate::plugin::Active;
+use crate::plugin::{Active, LoadError};
 use crate::storage::{PluginUpload, PluginVersion};
 use crate::time::{now_ms, Timestamp};
 
@@ -74,9 +74,15 @@ fn builtin() -> ActivePlugin {
     ActivePlugin { name: "default".into(), version: 0, sha256: None, uploaded_at: None }
 }
 
-fn invalid(reason: &str) -> ApiError {
-    metrics::counter!("stockd_plugin_uploads_total", "result" => "invalid").increment(1);
-    ApiError::new(422, "plugin_invalid", "Plugin invalid", reason.to_string())
+fn load_failed(error: LoadError) -> ApiError {
+    match error {
+        LoadError::Invalid(invalid) => {
+            metrics::counter!("stockd_plugin_uploads_total", "result" => "invalid").increment(1);
+            ApiError::new(422, "plugin_invalid", "Plugin invalid", invalid.reason().to_string())
+        }
+        LoadError::Busy(why) => ApiError::too_many_requests(&why, 1),
+        LoadError::Unavailable(why) => ApiError::unavailable(&why),
+    }
 }
 
 /// Uploads a new version (a WebAssembly component, `application/wasm`) and activates it.
@@ -86,7 +92,9 @@ fn invalid(reason: &str) -> ApiError {
         (status = 201, body = Uploaded),
         (status = 413, description = "payload_too_large", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 415, description = "unsupported_media_type", body = crate::problem::Problem, content_type = "application/problem+json"),
-        (status = 422, description = "plugin_invalid", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "plugin_invalid: invalid, or too complex to compile within limits", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "too_many_requests: another plugin of this tenant is compiling", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "unavailable: every compiler is busy, or shutting down", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn put_plugin(
     Tenant(auth): Tenant,
@@ -124,8 +132,8 @@ pub async fn put_plugin(
     if config.len() > MAX_CONFIG_BYTES {
         return Err(ApiError::validation("config", format!("must be at most {MAX_CONFIG_BYTES} bytes")));
     }
-    let wasm = Arc::new(body.to_vec());
-    let plugin = state.plugins.load(wasm.clone()).await.map_err(|e| invalid(e.reason()))?;
+    let wasm: Arc<[u8]> = Arc::from(&body[..]);
+    let plugin = state.plugins.load(&auth.tenant, Arc::clone(&wasm)).await.map_err(load_failed)?;
     let upload = PluginUpload { sha256: plugin.sha256(), wasm: wasm.to_vec(), config };
     let saved = state.storage.save_plugin(&auth.tenant, &upload, now_ms()).await?;
     state
@@ -196,7 +204,7 @@ pub async fn activate(
     }
     // Load first, so a version that no longer compiles under today's limits is never activated.
     let wasm = state.storage.plugin_wasm(&auth.tenant, version).await?.ok_or_else(missing)?;
-    let plugin = state.plugins.load(Arc::new(wasm)).await.map_err(|e| invalid(e.reason()))?;
+    let plugin = state.plugins.load(&auth.tenant, Arc::from(wasm)).await.map_err(load_failed)?;
     let activated = state.storage.activate_plugin(&auth.tenant, version).await?.ok_or_else(missing)?;
     state.plugins.set(&auth.tenant, Active::Wasm { version, plugin, config: Arc::from(activated.config.as_str()) });
     tracing::info!(tenant = %auth.tenant, version, "plugin version activated");

@@ -1,6 +1,8 @@
-//! `stockd plugin check FILE [--cases cases.toml]`: validates a component exactly as an upload
-//! would, then runs it on sample orders and prints each plan (or why the plugin failed), so
-//! a plugin's author can test it before uploading.
+//! `stockd plugin check FILE [--cases cases.toml] [--config stockd.toml]`: validates a
+//! component exactly as an upload to a server with that configuration would (the same
+//! structural checks, the same isolated compile under the same limits), then runs it on
+//! sample orders and prints each plan (or why the plugin failed) with the fuel it used
+//! against the budget, so a plugin's author can test and tune it before uploading.
 //!
 //! The cases file is TOML: optional `tenant`, `now_ms`, `seed` and `config` (the tenant's
 //! plugin configuration text), and a list of `[[orders]]`, each written exactly like the body
@@ -30,6 +32,7 @@ use serde::Deserialize;
 use super::host::PluginHost;
 use super::limits::PluginLimits;
 use super::model::{PlanInput, PluginFailed};
+use super::LoadError;
 use crate::engine::order::OrderBody;
 use crate::engine::{OrderRequest, TenantId};
 
@@ -70,31 +73,54 @@ struct Cases {
     orders: Vec<OrderBody>,
 }
 
-/// Checks the plugin at `path` (with the default limits) and prints the plans it makes for the
-/// orders in `cases`, or for two sample orders. Errors when the plugin is invalid or
-/// misbehaves on any order.
-pub fn check(path: &Path, cases: Option<&Path>) -> anyhow::Result<()> {
+/// Checks the plugin at `path` under `limits` (a server's configured limits) and prints the
+/// plans it makes for the orders in `cases`, or for two sample orders. Errors when the plugin
+/// is invalid or misbehaves on any order.
+pub async fn check(path: &Path, cases: Option<&Path>, limits: PluginLimits) -> anyhow::Result<()> {
     let wasm = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let cases_text = match cases {
         Some(file) => std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?,
         None => SAMPLE_CASES.to_string(),
     };
-    let host = PluginHost::new(PluginLimits::default())?;
+    let host = PluginHost::new(limits)?;
     let now_ms = crate::time::now_ms();
-    check_to(&mut std::io::stdout().lock(), &host, &path.display().to_string(), &wasm, &cases_text, now_ms)
+    let mut report = Vec::new();
+    let result = check_to(&mut report, &host, &path.display().to_string(), &wasm, &cases_text, now_ms).await;
+    std::io::stdout().lock().write_all(&report)?;
+    result
 }
 
 /// The check itself, writing its report to `out`; `now_ms` applies when the cases file has none.
-pub(crate) fn check_to(
-    out: &mut dyn Write,
-    host: &PluginHost,
+pub(crate) async fn check_to(
+    out: &mut (dyn Write + Send),
+    host: &std::sync::Arc<PluginHost>,
     name: &str,
     wasm: &[u8],
     cases_text: &str,
     now_ms: i64,
 ) -> anyhow::Result<()> {
-    let plugin = host.load(wasm).map_err(|invalid| anyhow::anyhow!("{name}: invalid plugin: {invalid}"))?;
+    let limits = host.limits().clone();
+    let uploader = TenantId::parse(DEFAULT_TENANT).context("invalid tenant")?;
+    let plugin = host.load(&uploader, std::sync::Arc::from(wasm)).await.map_err(|e| match e {
+        LoadError::Invalid(invalid) => anyhow::anyhow!("{name}: invalid plugin: {invalid}"),
+        other => anyhow::anyhow!("{name}: could not be checked: {other}"),
+    })?;
     writeln!(out, "{name}: valid stockd plugin ({} bytes, sha256 {})", wasm.len(), plugin.sha256())?;
+    let shape = host.shape(wasm)?;
+    let shape_limits = limits.shape;
+    writeln!(
+        out,
+        "shape: {} functions (limit {}), largest body {} bytes (limit {}), most locals {} (limit {}), \
+         deepest nesting {} (limit {})",
+        shape.functions,
+        shape_limits.max_functions,
+        shape.largest_body_bytes,
+        shape_limits.max_function_body_bytes,
+        shape.most_locals,
+        shape_limits.max_locals_per_function,
+        shape.deepest_blocks,
+        shape_limits.max_block_depth,
+    )?;
 
     let cases: Cases = toml::from_str(cases_text).context("invalid cases file")?;
     let tenant = TenantId::parse(cases.tenant.as_deref().unwrap_or(DEFAULT_TENANT)).context("invalid tenant")?;
@@ -118,7 +144,8 @@ pub(crate) fn check_to(
         };
         let lines = order.lines.len();
         write!(out, "order {} ({lines} line{}): ", order.order_id, if lines == 1 { "" } else { "s" })?;
-        match plugin.plan(&input) {
+        let (planned, cost) = plugin.plan_measured(&input);
+        match planned {
             Ok(plan) => writeln!(out, "{}", serde_json::to_string_pretty(&plan)?)?,
             Err(PluginFailed::Refused(reason)) => writeln!(out, "refused: {reason}")?,
             Err(failed) => {
@@ -126,6 +153,9 @@ pub(crate) fn check_to(
                 writeln!(out, "FAILED ({}): {failed}", failed.kind())?;
             }
         }
+        let budget = limits.fuel_per_call;
+        let share = cost.fuel_used as f64 * 100.0 / budget as f64;
+        writeln!(out, "  fuel: {} of {budget} ({share:.1}% of the budget)", cost.fuel_used)?;
     }
     anyhow::ensure!(misbehaved == 0, "{name}: the plugin failed on {misbehaved} of {} orders", orders.len());
     Ok(())

@@ -2,16 +2,26 @@
 //! components cached by sha256, and per plugin a small pool of live instances so a call costs
 //! a fraction of a microsecond instead of an instantiation.
 //!
-//! Isolation: each instance has its own `Store` (memory capped by [`StoreLimits`], fuel reset
-//! to the budget before every call). An instance serves at most
+//! Loading an upload: size and header checks, the structural pre-checks (`precheck.rs`), then
+//! a compile in a child process under hard limits (`compile.rs`), whose artifact this process
+//! maps. One compile per sha256 at a time (later callers wait for the first), at most
+//! `max_concurrent_compiles` at once and one per tenant; nothing is cached from a refused or
+//! abandoned compile.
+//!
+//! Isolation of a call: each instance has its own `Store` (memory capped by [`StoreLimits`],
+//! fuel reset to the budget and a wall-clock deadline set before every call, lifting of the
+//! result capped at what a legal plan can need). An instance serves at most
 //! [`PluginLimits::calls_per_instance`] calls and is thrown away after any failure, so a trap
 //! or a half-finished call never leaves state behind for the next order.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
+use futures::future::{BoxFuture, FutureExt, Shared, WeakShared};
 use sha2::{Digest, Sha256};
+use tokio::sync::Semaphore;
 use wasmtime::component::{types::ComponentItem, Component, Linker};
 use wasmtime::{
     Config, Engine, InstanceAllocationStrategy, OptLevel, PoolingAllocationConfig, ResourceLimiter, Store, StoreLimits,
@@ -19,9 +29,12 @@ use wasmtime::{
 };
 
 use super::bindings::{Planner, PlannerPre};
+use super::compile::{CompileError, Compiler};
 use super::convert;
-use super::limits::PluginLimits;
+use super::limits::{PluginLimits, MAX_BUCKETS, MAX_TARGETS_PER_LINE};
 use super::model::{PlanInput, PluginFailed, PluginInvalid, PluginPlan};
+use super::precheck::{check_shape, Shape};
+use crate::engine::TenantId;
 
 /// WebAssembly's page size: memory limits are rounded up to whole pages.
 const WASM_PAGE_BYTES: usize = 64 << 10;
@@ -38,6 +51,62 @@ const TABLES_PER_COMPONENT: u32 = 2;
 const MAX_TABLE_ELEMENTS: usize = 10_000;
 /// Characters kept of a wasmtime error message shown to a plugin author.
 const MAX_ERROR_CHARS: usize = 300;
+/// How often the engine's epoch advances: the granularity of the wall-clock deadline.
+const EPOCH_TICK: Duration = Duration::from_millis(5);
+/// Bytes of lifted result one planned line may need at most: a line record, 8 targets of a
+/// 200-byte key and 1,024 bucket indexes each, and a 200-byte limit key (rounded up).
+const LIFT_BYTES_PER_LINE: usize = 64 + MAX_TARGETS_PER_LINE * (48 + 200 + MAX_BUCKETS * 4) + 256;
+/// Lifted bytes every result may use besides its lines: the refusal reason (cut to 500
+/// characters after lifting, so a longer one is useless) and the plan record.
+const LIFT_BYTES_BASE: usize = 16 << 10;
+
+/// Builds the engine configuration: the same function for the server and for its compiler
+/// children, so an artifact compiled in a child always fits the server's engine.
+/// `pool_slots` sizes the instance pool (the child needs one; it instantiates nothing).
+pub(crate) fn engine_config(max_memory_bytes: usize, pool_slots: u32) -> Config {
+    let max_memory_bytes = max_memory_bytes.div_ceil(WASM_PAGE_BYTES).max(1) * WASM_PAGE_BYTES;
+    let live = pool_slots.max(1);
+    let mut pool = PoolingAllocationConfig::new();
+    // Every live instance takes one slot of each kind below; `InstanceBudget` keeps the
+    // number of live instances at or under `live`, so the pool is never exhausted.
+    pool.total_component_instances(live)
+        .total_core_instances(live.saturating_mul(CORE_INSTANCES_PER_COMPONENT))
+        .max_core_instances_per_component(CORE_INSTANCES_PER_COMPONENT)
+        .total_memories(live.saturating_mul(MEMORIES_PER_COMPONENT))
+        .max_memories_per_component(MEMORIES_PER_COMPONENT)
+        .max_memories_per_module(MEMORIES_PER_COMPONENT)
+        .total_tables(live.saturating_mul(TABLES_PER_COMPONENT))
+        .max_tables_per_component(TABLES_PER_COMPONENT)
+        .max_tables_per_module(TABLES_PER_COMPONENT)
+        .table_elements(MAX_TABLE_ELEMENTS)
+        // The memory cap, enforced by the pool's slots as well as by each store's limits.
+        .max_memory_size(max_memory_bytes);
+
+    let mut config = Config::new();
+    config
+        .wasm_component_model(true)
+        // Plugins are synchronous: no component-model async, no per-store async state.
+        .concurrency_support(false)
+        // Fuel bounds a call's work deterministically (same plugin, same input, same
+        // verdict); `fuel_per_call` is the budget.
+        .consume_fuel(true)
+        // And a wall-clock deadline, since fuel does not bound everything: a bulk memory
+        // operation costs one unit of fuel whatever its length. Checked at function entries
+        // and loop headers; a ticker thread advances the epoch every `EPOCH_TICK`.
+        .epoch_interruption(true)
+        .max_wasm_stack(MAX_WASM_STACK_BYTES)
+        // Each memory slot reserves just the cap: 256 slots of 16 MiB (plus guard pages)
+        // rather than 4 GiB each. Costs explicit bounds checks, negligible for plans.
+        .memory_reservation(max_memory_bytes as u64)
+        // Instances come from pre-reserved slots, so a fresh one costs ~10-20 µs (measured),
+        // paid once per `calls_per_instance` calls.
+        .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
+        .cranelift_opt_level(OptLevel::Speed)
+        // A trap's message is enough for a plugin author; backtraces cost time on every
+        // trap and would echo the plugin's internals.
+        .wasm_backtrace_max_frames(None);
+    config
+}
 
 /// Loads, validates and runs tenant plugins. One per process; cheap to share by reference.
 pub struct PluginHost {
@@ -47,6 +116,40 @@ pub struct PluginHost {
     limits: PluginLimits,
     cache: Mutex<Cache>,
     budget: Arc<InstanceBudget>,
+    compiler: Compiler,
+    /// Compiles in progress by sha256. Weak: when every caller waiting for one has gone
+    /// away, the compile is dropped (its child killed) and nothing is cached from it.
+    in_flight: Mutex<HashMap<[u8; 32], WeakShared<LoadFuture>>>,
+    compile_slots: Arc<Semaphore>,
+    /// Tenants with a compile of their own in progress: one each at a time.
+    compiling_tenants: Arc<Mutex<HashMap<TenantId, usize>>>,
+    /// The wall-clock deadline of one call, in epoch ticks.
+    deadline_ticks: u64,
+}
+
+type LoadFuture = BoxFuture<'static, Result<PlannerPre<CallState>, LoadError>>;
+
+/// Why a component could not be loaded.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LoadError {
+    /// The component is invalid or exceeds a limit: `422 plugin_invalid`.
+    #[error(transparent)]
+    Invalid(#[from] PluginInvalid),
+    /// This tenant already has a compile in progress: `429`, retry when it is done.
+    #[error("{0}")]
+    Busy(String),
+    /// The server cannot compile right now: `503`, retry later.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl From<CompileError> for LoadError {
+    fn from(error: CompileError) -> Self {
+        match error {
+            CompileError::Invalid(invalid) => LoadError::Invalid(invalid),
+            CompileError::Unavailable(why) => LoadError::Unavailable(why),
+        }
+    }
 }
 
 /// Compiled plugins by sha256, oldest first for eviction. Only the compiled, pre-linked code is
@@ -68,6 +171,7 @@ pub struct LoadedPlugin {
     limits: PluginLimits,
     idle: Mutex<Vec<LiveInstance>>,
     budget: Arc<InstanceBudget>,
+    deadline_ticks: u64,
 }
 
 /// One instantiated plugin and its private store.
@@ -96,62 +200,61 @@ struct InstanceBudget {
 /// One counted live instance; gives its place back when dropped.
 struct LiveSlot(Arc<InstanceBudget>);
 
+/// What one plan call cost, for `stockd plugin check`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallCost {
+    pub fuel_used: u64,
+}
+
 impl PluginHost {
-    /// Builds the shared engine. Fails only on a configuration wasmtime cannot run (for
-    /// example, no address space for the instance pool).
-    pub fn new(limits: PluginLimits) -> anyhow::Result<PluginHost> {
+    /// Builds the shared engine; compiles run in children of this executable. Fails only on a
+    /// configuration wasmtime cannot run (for example, no address space for the instance pool).
+    pub fn new(limits: PluginLimits) -> anyhow::Result<Arc<PluginHost>> {
+        let compiler = Compiler::new(limits.compile.clone(), limits.max_memory_bytes)?;
+        Self::with_compiler(limits, compiler)
+    }
+
+    /// A host that compiles on its own threads: for the host's unit tests only, whose test
+    /// binary cannot be a compiler child.
+    #[cfg(test)]
+    pub(crate) fn in_process(limits: PluginLimits) -> anyhow::Result<Arc<PluginHost>> {
+        let compiler = Compiler::in_process(limits.compile.clone(), limits.max_memory_bytes)?;
+        Self::with_compiler(limits, compiler)
+    }
+
+    fn with_compiler(limits: PluginLimits, compiler: Compiler) -> anyhow::Result<Arc<PluginHost>> {
         anyhow::ensure!(limits.max_live_instances >= 2, "plugin max_live_instances must be at least 2");
         anyhow::ensure!(limits.calls_per_instance >= 1, "plugin calls_per_instance must be at least 1");
         anyhow::ensure!(limits.fuel_per_call >= 1, "plugin fuel_per_call must be at least 1");
-        let max_memory_bytes = limits.max_memory_bytes.div_ceil(WASM_PAGE_BYTES).max(1) * WASM_PAGE_BYTES;
-        let live = limits.max_live_instances;
-
-        let mut pool = PoolingAllocationConfig::new();
-        // Every live instance takes one slot of each kind below; `InstanceBudget` keeps the
-        // number of live instances at or under `live`, so the pool is never exhausted.
-        pool.total_component_instances(live)
-            .total_core_instances(live.saturating_mul(CORE_INSTANCES_PER_COMPONENT))
-            .max_core_instances_per_component(CORE_INSTANCES_PER_COMPONENT)
-            .total_memories(live.saturating_mul(MEMORIES_PER_COMPONENT))
-            .max_memories_per_component(MEMORIES_PER_COMPONENT)
-            .max_memories_per_module(MEMORIES_PER_COMPONENT)
-            .total_tables(live.saturating_mul(TABLES_PER_COMPONENT))
-            .max_tables_per_component(TABLES_PER_COMPONENT)
-            .max_tables_per_module(TABLES_PER_COMPONENT)
-            .table_elements(MAX_TABLE_ELEMENTS)
-            // The memory cap, enforced by the pool's slots as well as by each store's limits.
-            .max_memory_size(max_memory_bytes);
-
-        let mut config = Config::new();
-        config
-            .wasm_component_model(true)
-            // Plugins are synchronous: no component-model async, no per-store async state.
-            .concurrency_support(false)
-            // Fuel bounds a call's work deterministically (same plugin, same input, same
-            // verdict), with no timer thread; `fuel_per_call` is the budget.
-            .consume_fuel(true)
-            .max_wasm_stack(MAX_WASM_STACK_BYTES)
-            // Each memory slot reserves just the cap: 256 slots of 16 MiB (plus guard pages)
-            // rather than 4 GiB each. Costs explicit bounds checks, negligible for plans.
-            .memory_reservation(max_memory_bytes as u64)
-            // Instances come from pre-reserved slots, so a fresh one costs ~10-20 µs (measured),
-            // paid once per `calls_per_instance` calls.
-            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
-            .cranelift_opt_level(OptLevel::Speed)
-            // A trap's message is enough for a plugin author; backtraces cost time on every
-            // trap and would echo the plugin's internals.
-            .wasm_backtrace_max_frames(None);
+        anyhow::ensure!(limits.max_concurrent_compiles >= 1, "plugin max_concurrent_compiles must be at least 1");
+        anyhow::ensure!(!limits.plan_timeout.is_zero(), "plugin plan_timeout_ms must be at least 1");
+        let config = engine_config(limits.max_memory_bytes, limits.max_live_instances);
         let engine = Engine::new(&config).map_err(|e| anyhow::anyhow!("plugin engine: {e:#}"))?;
         let linker = Linker::new(&engine);
+        start_epoch_ticker(&engine)?;
 
-        let live = usize::try_from(live)?;
+        let live = usize::try_from(limits.max_live_instances)?;
         let budget = Arc::new(InstanceBudget {
             live: AtomicUsize::new(0),
             idle: AtomicUsize::new(0),
             max_live: live,
             max_idle: live / 2,
         });
-        Ok(PluginHost { engine, linker, limits, cache: Mutex::default(), budget })
+        // The deadline is at least this long; one tick more covers the tick in progress.
+        let deadline_ticks = u64::try_from(limits.plan_timeout.as_nanos().div_ceil(EPOCH_TICK.as_nanos()))?.max(1) + 1;
+        let compile_slots = Arc::new(Semaphore::new(limits.max_concurrent_compiles));
+        Ok(Arc::new(PluginHost {
+            engine,
+            linker,
+            limits,
+            cache: Mutex::default(),
+            budget,
+            compiler,
+            in_flight: Mutex::default(),
+            compile_slots,
+            compiling_tenants: Arc::default(),
+            deadline_ticks,
+        }))
     }
 
     /// The limits this host runs plugins under.
@@ -159,26 +262,110 @@ impl PluginHost {
         &self.limits
     }
 
+    /// Kills compiles in progress and refuses new ones: the server is shutting down.
+    pub fn stop_compiles(&self) {
+        self.compiler.stop();
+    }
+
     /// Validates and compiles an uploaded component: within the size limit, a component (not
-    /// a core module), imports nothing, exports the `planner` world, and instantiates within
-    /// the memory and fuel limits. The same bytes load once; later loads return the cached
-    /// plugin. CPU-heavy on a cache miss (compilation): call it from a blocking thread.
-    pub fn load(&self, wasm: &[u8]) -> Result<Arc<LoadedPlugin>, PluginInvalid> {
+    /// a core module), within the shape limits, compiles within the compile limits, imports
+    /// nothing, exports the `planner` world, and instantiates within the memory and fuel
+    /// limits. The same bytes compile once; later loads share the compiled code (each with an
+    /// instance pool of its own). `tenant` is who asked, for the one-compile-per-tenant rule.
+    pub async fn load(self: &Arc<Self>, tenant: &TenantId, wasm: Arc<[u8]>) -> Result<Arc<LoadedPlugin>, LoadError> {
         if wasm.len() > self.limits.max_wasm_bytes {
             return Err(PluginInvalid::new(format!(
                 "the plugin is {} bytes; the limit is {} bytes",
                 wasm.len(),
                 self.limits.max_wasm_bytes
-            )));
+            ))
+            .into());
         }
-        check_header(wasm)?;
-        let sha256: [u8; 32] = Sha256::digest(wasm).into();
+        check_header(&wasm)?;
+        let sha256: [u8; 32] = Sha256::digest(&wasm).into();
         if let Some(pre) = self.cache().by_sha256.get(&sha256) {
             return Ok(Arc::new(self.with_own_pool(sha256, pre.clone())));
         }
+        let compile = self.join_or_start(tenant, sha256, wasm)?;
+        let pre = compile.await?;
+        Ok(Arc::new(self.with_own_pool(sha256, pre)))
+    }
 
-        let component = Component::new(&self.engine, wasm)
-            .map_err(|e| PluginInvalid::new(format!("the component does not compile: {}", short_error(&e))))?;
+    /// The compile of `sha256` already in progress, or a new one. Holding the returned future
+    /// keeps the compile alive; the last holder to drop it ends it.
+    fn join_or_start(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        sha256: [u8; 32],
+        wasm: Arc<[u8]>,
+    ) -> Result<Shared<LoadFuture>, LoadError> {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(running) = in_flight.get(&sha256).and_then(WeakShared::upgrade) {
+            return Ok(running);
+        }
+        // Forget compiles nobody waits for any more, so the map stays as small as the work.
+        in_flight.retain(|_, weak| weak.upgrade().is_some());
+        let tenant_slot = TenantCompile::start(&self.compiling_tenants, tenant).ok_or_else(|| {
+            LoadError::Busy("another plugin of this tenant is being compiled; retry when it is done".into())
+        })?;
+        let host = Arc::clone(self);
+        let compile = async move {
+            let _tenant_slot = tenant_slot;
+            let result = host.compile(sha256, &wasm).await;
+            host.in_flight.lock().unwrap_or_else(PoisonError::into_inner).remove(&sha256);
+            result
+        }
+        .boxed()
+        .shared();
+        if let Some(weak) = compile.downgrade() {
+            in_flight.insert(sha256, weak);
+        }
+        Ok(compile)
+    }
+
+    /// Pre-checks, compiles in a child, maps the artifact, type-checks it and instantiates it
+    /// once; caches the result only when all of that succeeded.
+    async fn compile(self: &Arc<Self>, sha256: [u8; 32], wasm: &Arc<[u8]>) -> Result<PlannerPre<CallState>, LoadError> {
+        let limits = self.compiler.limits();
+        let _slot = tokio::time::timeout(limits.timeout, Arc::clone(&self.compile_slots).acquire_owned())
+            .await
+            .map_err(|_| LoadError::Unavailable("every plugin compiler is busy; try again shortly".into()))?
+            .map_err(|_| LoadError::Unavailable("the server is shutting down".into()))?;
+        let shape = {
+            let (wasm, shape_limits) = (Arc::clone(wasm), self.limits.shape);
+            tokio::task::spawn_blocking(move || check_shape(&wasm, &shape_limits))
+                .await
+                .map_err(|_| LoadError::Unavailable("the plugin could not be checked; try again".into()))??
+        };
+        tracing::debug!(?shape, "plugin passed the shape checks");
+        let started = std::time::Instant::now();
+        let artifact = match self.compiler.compile(wasm).await {
+            Ok(artifact) => artifact,
+            Err(error) => {
+                let result = if matches!(error, CompileError::Invalid(_)) { "refused" } else { "unavailable" };
+                metrics::counter!("stockd_plugin_compiles_total", "result" => result).increment(1);
+                return Err(error.into());
+            }
+        };
+        metrics::counter!("stockd_plugin_compiles_total", "result" => "ok").increment(1);
+        metrics::histogram!("stockd_plugin_compile_seconds").record(started.elapsed().as_secs_f64());
+        let host = Arc::clone(self);
+        let pre = tokio::task::spawn_blocking(move || host.link(sha256, artifact.path()))
+            .await
+            .map_err(|_| LoadError::Unavailable("the plugin could not be loaded; try again".into()))??;
+        Ok(pre)
+    }
+
+    /// Maps a compiled artifact and checks it as a planner: imports, exports, one real
+    /// instantiation within the limits. Caches it on success.
+    fn link(&self, sha256: [u8; 32], artifact: &std::path::Path) -> Result<PlannerPre<CallState>, LoadError> {
+        // SAFETY: the artifact was written a moment ago, into this process's private (0700)
+        // directory, by this same executable's compiler for this engine's configuration;
+        // wasmtime still checks its version and settings before using it.
+        let component = unsafe { Component::deserialize_file(&self.engine, artifact) }.map_err(|e| {
+            tracing::error!(error = %short_error(&e), "a compiled plugin could not be loaded");
+            LoadError::Unavailable("the compiled plugin could not be loaded; try again".into())
+        })?;
         check_imports(&self.engine, &component)?;
         let instance_pre = self.linker.instantiate_pre(&component).map_err(|e| {
             PluginInvalid::new(format!("the component's imports cannot be satisfied: {}", short_error(&e)))
@@ -189,13 +376,14 @@ impl PluginHost {
                 short_error(&e)
             ))
         })?;
-        let plugin = self.with_own_pool(sha256, pre.clone());
         // One real instantiation now: a plugin whose memory, tables or start-up work exceed
-        // the limits is refused at upload, not on its first order. The instance is kept.
-        let first = plugin.instantiate().map_err(|failed| {
-            PluginInvalid::new(format!("the component cannot be instantiated within the limits: {failed}"))
+        // the limits is refused at upload, not on its first order.
+        self.with_own_pool(sha256, pre.clone()).instantiate().map_err(|failed| match failed {
+            PluginFailed::Unavailable(why) => LoadError::Unavailable(why),
+            failed => {
+                PluginInvalid::new(format!("the component cannot be instantiated within the limits: {failed}")).into()
+            }
         })?;
-        plugin.give_back(first);
 
         let mut cache = self.cache();
         if !cache.by_sha256.contains_key(&sha256) {
@@ -205,10 +393,16 @@ impl PluginHost {
                     cache.by_sha256.remove(&oldest);
                 }
             }
-            cache.by_sha256.insert(sha256, pre);
+            cache.by_sha256.insert(sha256, pre.clone());
             cache.order.push_back(sha256);
         }
-        Ok(Arc::new(plugin))
+        Ok(pre)
+    }
+
+    /// The structural figures of a component (functions, body sizes, locals, nesting), as the
+    /// pre-checks measure them; for `stockd plugin check`.
+    pub fn shape(&self, wasm: &[u8]) -> Result<Shape, PluginInvalid> {
+        check_shape(wasm, &self.limits.shape)
     }
 
     /// A plugin handle over compiled code, with an empty instance pool of its own.
@@ -220,6 +414,7 @@ impl PluginHost {
             limits: self.limits.clone(),
             idle: Mutex::default(),
             budget: Arc::clone(&self.budget),
+            deadline_ticks: self.deadline_ticks,
         }
     }
 
@@ -230,6 +425,63 @@ impl PluginHost {
     }
 }
 
+/// A tenant's one compile in progress; frees the tenant's place when dropped.
+struct TenantCompile {
+    tenants: Arc<Mutex<HashMap<TenantId, usize>>>,
+    tenant: TenantId,
+}
+
+impl TenantCompile {
+    /// Takes the tenant's place, or `None` when the tenant already has a compile running.
+    fn start(tenants: &Arc<Mutex<HashMap<TenantId, usize>>>, tenant: &TenantId) -> Option<TenantCompile> {
+        let mut running = tenants.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = running.entry(tenant.clone()).or_insert(0);
+        if *count >= 1 {
+            return None;
+        }
+        *count += 1;
+        Some(TenantCompile { tenants: Arc::clone(tenants), tenant: tenant.clone() })
+    }
+}
+
+impl Drop for TenantCompile {
+    fn drop(&mut self) {
+        let mut running = self.tenants.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = running.get_mut(&self.tenant) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                running.remove(&self.tenant);
+            }
+        }
+    }
+}
+
+/// CPU time this thread has used so far.
+fn thread_cpu_time() -> Duration {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `now` is a valid timespec to write to; the clock exists on every Linux.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(u64::try_from(now.tv_sec).unwrap_or(0), u32::try_from(now.tv_nsec).unwrap_or(0))
+}
+
+/// Advances the engine's epoch every [`EPOCH_TICK`] for as long as the engine lives.
+fn start_epoch_ticker(engine: &Engine) -> anyhow::Result<()> {
+    let weak = engine.weak();
+    std::thread::Builder::new()
+        .name("stockd-plugin-epoch".into())
+        .spawn(move || {
+            while let Some(engine) = weak.upgrade() {
+                engine.increment_epoch();
+                drop(engine);
+                std::thread::sleep(EPOCH_TICK);
+            }
+        })
+        .map_err(|e| anyhow::anyhow!("starting the plugin epoch ticker: {e}"))?;
+    Ok(())
+}
+
 impl LoadedPlugin {
     /// The sha256 of the component's bytes, as lowercase hex.
     pub fn sha256(&self) -> String {
@@ -237,25 +489,59 @@ impl LoadedPlugin {
     }
 
     /// Runs the plugin on one order and validates its plan. Synchronous and CPU-bound
-    /// (typically a microsecond or two, never more than the fuel budget): call it from a
-    /// blocking or writer thread. Safe to call from many threads at once.
+    /// (typically a microsecond or two, never more than the fuel budget or the wall-clock
+    /// deadline): call it from the plan pool (`pool.rs`) or another thread that may block,
+    /// never from an async worker. Safe to call from many threads at once.
     pub fn plan(&self, input: &PlanInput<'_>) -> Result<PluginPlan, PluginFailed> {
+        self.plan_measured(input).0
+    }
+
+    /// [`Self::plan`], and what the call cost.
+    pub fn plan_measured(&self, input: &PlanInput<'_>) -> (Result<PluginPlan, PluginFailed>, CallCost) {
+        let mut cost = CallCost { fuel_used: 0 };
         let (order, context) = convert::to_wit(input);
         let mut instance = match self.take_idle() {
             Some(instance) => instance,
-            None => self.instantiate()?,
+            None => match self.instantiate() {
+                Ok(instance) => instance,
+                Err(failed) => return (Err(failed), cost),
+            },
         };
-        self.refuel(&mut instance.store)?;
+        if let Err(failed) = self.refuel(&mut instance.store) {
+            return (Err(failed), cost);
+        }
+        // What a legal plan for this order can need to cross into the host, and no more: a
+        // plan whose lines all point at one large list in guest memory would otherwise lift
+        // into hundreds of MiB here.
+        instance.store.set_hostcall_fuel(LIFT_BYTES_BASE + input.order.lines.len() * LIFT_BYTES_PER_LINE);
         instance.calls += 1;
+        let cpu_before = thread_cpu_time();
         // On any failure below the instance is dropped, never returned to the pool.
-        let plan = match instance.planner.call_plan(&mut instance.store, &order, &context) {
+        let called = instance.planner.call_plan(&mut instance.store, &order, &context);
+        cost.fuel_used = self.limits.fuel_per_call.saturating_sub(instance.store.get_fuel().unwrap_or(0));
+        let plan = match called {
             Ok(Ok(plan)) => plan,
-            Ok(Err(reason)) => return Err(PluginFailed::Refused(convert::bounded_reason(&reason))),
-            Err(error) => return Err(self.classify(&error, instance.store.data())),
+            Ok(Err(reason)) => return (Err(PluginFailed::Refused(convert::bounded_reason(&reason))), cost),
+            Err(error) => {
+                let failed = match self.classify(&error, instance.store.data()) {
+                    // A deadline the plugin spent mostly waiting for a CPU, not running on one,
+                    // says the machine is overloaded, not that the plugin is slow: retry.
+                    PluginFailed::TimedOut { .. }
+                        if thread_cpu_time().saturating_sub(cpu_before) < self.limits.plan_timeout / 2 =>
+                    {
+                        PluginFailed::Unavailable("the server was too busy to finish the plan in time; retry".into())
+                    }
+                    failed => failed,
+                };
+                return (Err(failed), cost);
+            }
         };
-        let plan = convert::from_wit(plan, input.order.lines.len()).map_err(PluginFailed::InvalidPlan)?;
+        let plan = match convert::from_wit(plan, input.order.lines.len()) {
+            Ok(plan) => plan,
+            Err(invalid) => return (Err(PluginFailed::InvalidPlan(invalid)), cost),
+        };
         self.give_back(instance);
-        Ok(plan)
+        (Ok(plan), cost)
     }
 
     /// A fresh instance in a fresh store.
@@ -282,8 +568,11 @@ impl LoadedPlugin {
         Ok(LiveInstance { store, planner, calls: 0, _slot: slot })
     }
 
+    /// A full fuel budget and a fresh wall-clock deadline, before every call.
     fn refuel(&self, store: &mut Store<CallState>) -> Result<(), PluginFailed> {
-        // Fails only if the engine had fuel disabled, which `PluginHost::new` never does.
+        store.epoch_deadline_trap();
+        store.set_epoch_deadline(self.deadline_ticks);
+        // Fails only if the engine had fuel disabled, which `engine_config` never does.
         store
             .set_fuel(self.limits.fuel_per_call)
             .map_err(|e| PluginFailed::Unavailable(format!("plugin fuel: {}", short_error(&e))))
@@ -320,10 +609,17 @@ impl LoadedPlugin {
         }
         match error.downcast_ref::<Trap>() {
             Some(Trap::OutOfFuel) => PluginFailed::OutOfFuel { fuel: self.limits.fuel_per_call },
+            Some(Trap::Interrupt) => PluginFailed::TimedOut {
+                limit_ms: u64::try_from(self.limits.plan_timeout.as_millis()).unwrap_or(u64::MAX),
+            },
             Some(Trap::UnreachableCodeReached) => {
                 PluginFailed::Trap("reached `unreachable` (a panic in a Rust plugin)".into())
             }
             Some(trap) => PluginFailed::Trap(trap.to_string()),
+            // wasmtime's error type for this is private; its message is stable.
+            None if error.chain().any(|cause| cause.to_string().contains("fuel allocated for hostcalls")) => {
+                PluginFailed::InvalidPlan("the plan is larger than any valid plan for this order could be".into())
+            }
             None => PluginFailed::Trap(short_error(error)),
         }
     }
@@ -442,7 +738,7 @@ fn check_imports(engine: &Engine, component: &Component) -> Result<(), PluginInv
 }
 
 /// A wasmtime error as one short line: its causes joined, cut to a few hundred characters.
-fn short_error(error: &wasmtime::Error) -> String {
+pub(crate) fn short_error(error: &wasmtime::Error) -> String {
     let text = error.chain().map(ToString::to_string).collect::<Vec<_>>().join(": ").replace(['\n', '\r', '\t'], " ");
     let mut short: String = text.chars().take(MAX_ERROR_CHARS).collect();
     if short.len() < text.len() {

@@ -1,15 +1,27 @@
 //! The limits every plugin runs under, and the bounds the host enforces on the plans plugins
 //! return. One [`PluginLimits`] configures the whole host (all tenants).
 
+use std::time::Duration;
+
+use super::compile::CompileLimits;
+use super::precheck::ShapeLimits;
 use crate::engine::MAX_TOTAL;
 
 /// What a plugin may use. The defaults are safe for a shared multi-tenant server; every field
 /// is meant to come from configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PluginLimits {
-    /// Largest component accepted by [`super::PluginHost::load`], in bytes. Also bounds the
-    /// time one upload spends compiling.
+    /// Largest component accepted by [`super::PluginHost::load`], in bytes. Does not bound
+    /// compile time or memory: [`Self::shape`] and [`Self::compile`] do.
     pub max_wasm_bytes: usize,
+    /// Structural limits checked before compiling.
+    pub shape: ShapeLimits,
+    /// How one compile is bounded (it runs in a child process).
+    pub compile: CompileLimits,
+    /// Compiles running at once in this process.
+    pub max_concurrent_compiles: usize,
+    /// Wall-clock deadline of one plan call (and of an instantiation), besides fuel.
+    pub plan_timeout: Duration,
     /// Fuel one `plan` call may burn (about one unit per WebAssembly instruction). A fresh
     /// instance gets the same budget again for its instantiation.
     pub fuel_per_call: u64,
@@ -33,6 +45,14 @@ impl Default for PluginLimits {
         Self {
             // Real plugins are 10-100 KiB; 2 MiB leaves room and keeps compile time short.
             max_wasm_bytes: 2 << 20,
+            shape: ShapeLimits::default(),
+            compile: CompileLimits::default(),
+            // Two children at low priority: uploads never wait long for each other, and
+            // compiling never takes both cores of a small machine from the server.
+            max_concurrent_compiles: 2,
+            // A plan takes microseconds and its fuel ~10 ms at most; 100 ms is only reached by
+            // work fuel does not count (bulk memory operations) or a machine far overloaded.
+            plan_timeout: Duration::from_millis(100),
             // A 10-line plan of the default plugin burns ~17k; an endless loop stops after ~1 ms.
             fuel_per_call: 10_000_000,
             // A Rust plugin starts at ~1.1 MiB (1 MiB stack + data) and needs little more.

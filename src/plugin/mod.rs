@@ -16,19 +16,25 @@
 
 mod bindings;
 pub mod check;
+pub mod compile;
 mod convert;
 mod host;
 mod limits;
 mod model;
+pub mod pool;
+pub mod precheck;
 pub mod registry;
 
 #[cfg(test)]
 mod tests;
 
 pub use check::check;
-pub use host::{LoadedPlugin, PluginHost};
+pub use compile::CompileLimits;
+pub use host::{CallCost, LoadError, LoadedPlugin, PluginHost};
 pub use limits::PluginLimits;
 pub use model::{
     PlanInput, PluginFailed, PluginInvalid, PluginLine, PluginPlan, PluginPolicy, PluginTarget, UserLimit,
 };
+pub use pool::{PlanPool, PoolError, PoolSettings};
+pub use precheck::{Shape, ShapeLimits};
 pub use registry::{Active, PlanFailure, Registry};

@@ -106,6 +106,10 @@ pub enum PluginFailed {
     /// The plugin ran longer than its fuel allows (an endless or very long loop).
     #[error("plugin ran out of fuel after {fuel} units: it takes too long")]
     OutOfFuel { fuel: u64 },
+    /// The plugin ran past its wall-clock deadline (work that fuel does not count, such as
+    /// bulk memory operations, or a machine too busy to give it the time).
+    #[error("plugin exceeded its time limit of {limit_ms} ms")]
+    TimedOut { limit_ms: u64 },
     /// The plugin tried to grow its memory beyond the cap.
     #[error("plugin exceeded its memory limit of {limit_bytes} bytes")]
     OutOfMemory { limit_bytes: usize },
@@ -128,6 +132,7 @@ impl PluginFailed {
     pub fn kind(&self) -> &'static str {
         match self {
             PluginFailed::OutOfFuel { .. } => "out_of_fuel",
+            PluginFailed::TimedOut { .. } => "timed_out",
             PluginFailed::OutOfMemory { .. } => "out_of_memory",
             PluginFailed::Trap(_) => "trap",
             PluginFailed::Refused(_) => "refused",

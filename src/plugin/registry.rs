@@ -1,13 +1,16 @@
 //! Which planner each tenant's orders use right now. Versions live in storage, so every process
 //! sees an upload or activation; each process caches the active version per tenant for a short
 //! time (`cache_ttl`), and the process that made the change updates its cache at once. A plan
-//! is made once, when the request starts, so a swap never changes an order in flight.
+//! is made once, when the request starts, so a swap never changes an order in flight. Plugin
+//! calls run on the plan pool (`pool.rs`), never on the async workers.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use super::{LoadedPlugin, PlanInput, PluginFailed, PluginHost, PluginInvalid, PluginPlan, PluginPolicy};
+use super::{
+    LoadError, LoadedPlugin, PlanInput, PlanPool, PluginFailed, PluginHost, PluginPlan, PluginPolicy, PoolError,
+};
 use crate::engine::{
     DefaultPlanner, LimitSpec, OrderRequest, PartialPolicy, Plan, PlanError, PlannedLine, Planner, PlannerRef, Target,
     TenantId,
@@ -29,9 +32,16 @@ pub enum Active {
 /// Why no plan could be made for an order.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanFailure {
-    /// The plugin failed (trap, fuel, memory, refusal, invalid plan): `422 plugin_failed`.
+    /// The plugin failed (trap, fuel, deadline, memory, refusal, invalid plan):
+    /// `422 plugin_failed`.
     #[error("{0}")]
     Plugin(String),
+    /// The tenant has as many plugin calls (or compiles) in progress as it may: `429`.
+    #[error("{0}")]
+    TenantBusy(String),
+    /// The server could not run the plugin right now: `503`, retry.
+    #[error("{0}")]
+    Unavailable(String),
     #[error(transparent)]
     Storage(#[from] StorageError),
 }
@@ -44,26 +54,25 @@ struct Cached {
 /// Per-tenant planners, backed by storage and one shared [`PluginHost`].
 pub struct Registry {
     host: Arc<PluginHost>,
+    pool: PlanPool,
     storage: Arc<dyn Storage>,
     cache_ttl: Duration,
     cache: RwLock<HashMap<TenantId, Cached>>,
 }
 
 impl Registry {
-    pub fn new(host: Arc<PluginHost>, storage: Arc<dyn Storage>, cache_ttl: Duration) -> Self {
-        Self { host, storage, cache_ttl, cache: RwLock::new(HashMap::new()) }
+    pub fn new(host: Arc<PluginHost>, pool: PlanPool, storage: Arc<dyn Storage>, cache_ttl: Duration) -> Self {
+        Self { host, pool, storage, cache_ttl, cache: RwLock::new(HashMap::new()) }
     }
 
     pub fn host(&self) -> &PluginHost {
         &self.host
     }
 
-    /// Validates and compiles an upload off the async threads (compiling takes milliseconds).
-    pub async fn load(&self, wasm: Arc<Vec<u8>>) -> Result<Arc<LoadedPlugin>, PluginInvalid> {
-        let host = self.host.clone();
-        tokio::task::spawn_blocking(move || host.load(&wasm))
-            .await
-            .unwrap_or_else(|_| Err(PluginInvalid::new("the plugin could not be compiled")))
+    /// Validates and compiles a tenant's upload (in a child process, bounded; see
+    /// [`PluginHost::load`]).
+    pub async fn load(&self, tenant: &TenantId, wasm: Arc<[u8]>) -> Result<Arc<LoadedPlugin>, LoadError> {
+        self.host.load(tenant, wasm).await
     }
 
     /// Records what this process just activated, so its next order uses it at once.
@@ -95,10 +104,13 @@ impl Registry {
                     let wasm = self.storage.plugin_wasm(tenant, v.version).await?;
                     let wasm =
                         wasm.ok_or_else(|| PlanFailure::Plugin("the active plugin version is missing".into()))?;
-                    let plugin = self
-                        .load(Arc::new(wasm))
-                        .await
-                        .map_err(|e| PlanFailure::Plugin(format!("the active plugin cannot be loaded: {e}")))?;
+                    let plugin = self.load(tenant, Arc::from(wasm)).await.map_err(|e| match e {
+                        LoadError::Invalid(e) => {
+                            PlanFailure::Plugin(format!("the active plugin cannot be loaded: {e}"))
+                        }
+                        LoadError::Busy(why) => PlanFailure::TenantBusy(why),
+                        LoadError::Unavailable(why) => PlanFailure::Unavailable(why),
+                    })?;
                     Active::Wasm { version: v.version, plugin, config: Arc::from(v.config.as_str()) }
                 }
             },
@@ -112,14 +124,40 @@ impl Registry {
         match self.active(tenant).await? {
             Active::Builtin => DefaultPlanner.plan(tenant, order, now_ms).map_err(|e| PlanFailure::Plugin(e.0)),
             Active::Wasm { version, plugin, config } => {
-                let input = PlanInput { tenant, order, now_ms, seed: rand::random(), config: &config };
-                let planned = plugin.plan(&input).map_err(|e: PluginFailed| {
-                    metrics::counter!("stockd_plugin_failures_total", "kind" => e.kind()).increment(1);
-                    PlanFailure::Plugin(e.to_string())
-                })?;
+                let (owned_tenant, owned_order, seed) = (tenant.clone(), order.clone(), rand::random());
+                let planned = self
+                    .pool
+                    .run(tenant, move || {
+                        let input =
+                            PlanInput { tenant: &owned_tenant, order: &owned_order, now_ms, seed, config: &config };
+                        plugin.plan(&input)
+                    })
+                    .await
+                    .map_err(|e| {
+                        metrics::counter!("stockd_plan_pool_refusals_total", "kind" => pool_refusal_kind(&e))
+                            .increment(1);
+                        match e {
+                            PoolError::TenantBusy => PlanFailure::TenantBusy(e.to_string()),
+                            PoolError::Exhausted => PlanFailure::Unavailable(e.to_string()),
+                        }
+                    })?
+                    .map_err(|e: PluginFailed| {
+                        metrics::counter!("stockd_plugin_failures_total", "kind" => e.kind()).increment(1);
+                        match e {
+                            PluginFailed::Unavailable(why) => PlanFailure::Unavailable(why),
+                            failed => PlanFailure::Plugin(failed.to_string()),
+                        }
+                    })?;
                 to_plan(planned, version, order.lines.len()).map_err(|e| PlanFailure::Plugin(e.0))
             }
         }
+    }
+}
+
+fn pool_refusal_kind(error: &PoolError) -> &'static str {
+    match error {
+        PoolError::TenantBusy => "tenant_busy",
+        PoolError::Exhausted => "exhausted",
     }
 }
 

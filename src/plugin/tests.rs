@@ -41,13 +41,32 @@ fn build_plugins() -> Result<PathBuf, String> {
 }
 
 /// One host for the tests that use the default limits, so each component compiles once.
-fn shared_host() -> &'static PluginHost {
-    static HOST: OnceLock<PluginHost> = OnceLock::new();
-    HOST.get_or_init(|| PluginHost::new(PluginLimits::default()).unwrap_or_else(|e| panic!("{e:#}")))
+fn shared_host() -> &'static Arc<PluginHost> {
+    static HOST: OnceLock<Arc<PluginHost>> = OnceLock::new();
+    HOST.get_or_init(|| new_host(PluginLimits::default()))
 }
 
-fn load(host: &PluginHost, name: &str) -> Arc<LoadedPlugin> {
-    host.load(&wasm(name)).unwrap_or_else(|e| panic!("{name} refused: {e}"))
+/// A host that compiles on a thread of this test process (the test binary cannot be the
+/// compiler child; the HTTP suite covers the child).
+fn new_host(limits: PluginLimits) -> Arc<PluginHost> {
+    PluginHost::in_process(limits).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
+    runtime.unwrap_or_else(|e| panic!("{e}")).block_on(future)
+}
+
+/// Loads as a tenant of its own, so parallel tests never meet the one-compile-per-tenant rule.
+fn load_bytes(host: &Arc<PluginHost>, bytes: &[u8]) -> Result<Arc<LoadedPlugin>, LoadError> {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let uploader = TenantId::parse(format!("uploader-{n}")).unwrap_or_else(|e| panic!("{e}"));
+    block_on(host.load(&uploader, Arc::from(bytes)))
+}
+
+fn load(host: &Arc<PluginHost>, name: &str) -> Arc<LoadedPlugin> {
+    load_bytes(host, &wasm(name)).unwrap_or_else(|e| panic!("{name} refused: {e}"))
 }
 
 fn order(json: serde_json::Value) -> OrderRequest {
@@ -82,10 +101,11 @@ fn resources(line: &PluginLine) -> Vec<&str> {
     line.targets.iter().map(|t| t.resource.as_str()).collect()
 }
 
-fn invalid(host: &PluginHost, bytes: &[u8]) -> String {
-    match host.load(bytes) {
+fn invalid(host: &Arc<PluginHost>, bytes: &[u8]) -> String {
+    match load_bytes(host, bytes) {
         Ok(plugin) => panic!("accepted {plugin:?}"),
-        Err(invalid) => invalid.reason().to_string(),
+        Err(LoadError::Invalid(invalid)) => invalid.reason().to_string(),
+        Err(other) => panic!("not refused as invalid: {other}"),
     }
 }
 
@@ -279,8 +299,7 @@ fn anything_but_a_planner_component_is_refused_at_load() {
     let truncated = invalid(host, &default[..default.len() / 2]);
     assert!(truncated.starts_with("the component does not compile"), "{truncated}");
     assert!(truncated.len() < 400, "{truncated}");
-    let small = PluginHost::new(PluginLimits { max_wasm_bytes: 1000, ..PluginLimits::default() })
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    let small = new_host(PluginLimits { max_wasm_bytes: 1000, ..PluginLimits::default() });
     let too_big = invalid(&small, &default);
     assert!(too_big.contains("the limit is 1000 bytes"), "{too_big}");
 }
@@ -290,8 +309,8 @@ fn the_same_bytes_compile_once_and_name_their_sha256() {
     // Proves the sha256 cache shares compiled code but never instances: a second load of the
     // same bytes (another tenant's upload, say) gets its own handle and its own instance pool.
     let bytes = wasm("default");
-    let first = shared_host().load(&bytes).unwrap_or_else(|e| panic!("{e}"));
-    let second = shared_host().load(&bytes).unwrap_or_else(|e| panic!("{e}"));
+    let first = load_bytes(shared_host(), &bytes).unwrap_or_else(|e| panic!("{e}"));
+    let second = load_bytes(shared_host(), &bytes).unwrap_or_else(|e| panic!("{e}"));
     assert!(!Arc::ptr_eq(&first, &second));
     assert_eq!(first.sha256(), second.sha256());
     use sha2::Digest;
@@ -302,9 +321,7 @@ fn the_same_bytes_compile_once_and_name_their_sha256() {
 fn instances_are_recycled_after_their_calls_and_after_any_failure() {
     // Proves no plugin state outlives `calls_per_instance` calls or a failed call: the
     // counter fixture's quantity is the number of calls its instance has served.
-    let host =
-        PluginHost::new(PluginLimits { calls_per_instance: 3, max_instances_per_plugin: 1, ..Default::default() })
-            .unwrap_or_else(|e| panic!("{e:#}"));
+    let host = new_host(PluginLimits { calls_per_instance: 3, max_instances_per_plugin: 1, ..Default::default() });
     let plugin = load(&host, "hostile-counter");
     let order = order_of(1);
     let mut served = Vec::new();
@@ -361,7 +378,7 @@ fn check_prints_plans_and_fails_only_on_misbehaviour() {
     let host = shared_host();
     let run = |name: &str, cases: &str| {
         let mut out = Vec::new();
-        let result = check::check_to(&mut out, host, name, &wasm(name), cases, NOW_MS);
+        let result = block_on(check::check_to(&mut out, host, name, &wasm(name), cases, NOW_MS));
         (result, String::from_utf8_lossy(&out).into_owned())
     };
     let samples = check::SAMPLE_CASES;
@@ -390,8 +407,7 @@ fn check_prints_plans_and_fails_only_on_misbehaviour() {
 /// `STOCKD_PLUGIN_LATENCY_SAMPLES=20000 cargo test --release --lib plugin::tests::plan_call_latency -- --nocapture`.
 #[test]
 fn plan_call_latency() {
-    let fresh_host = PluginHost::new(PluginLimits { calls_per_instance: 1, ..PluginLimits::default() })
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    let fresh_host = new_host(PluginLimits { calls_per_instance: 1, ..PluginLimits::default() });
     let setups =
         [(shared_host(), 1, "live instance"), (shared_host(), 10, "live instance"), (&fresh_host, 1, "fresh instance")];
     for (host, lines, instance) in setups {
