@@ -41,6 +41,9 @@ pub struct PluginsConfig {
     /// How long a process trusts its cached view of a tenant's active version; an upload or
     /// activation through another process takes effect here within this time.
     pub cache_ttl_ms: u64,
+    /// Versions a tenant keeps: an upload beyond this prunes the oldest ones, never the new
+    /// version nor the one active when the upload began.
+    pub max_versions_per_tenant: usize,
 }
 
 impl Default for PluginsConfig {
@@ -52,6 +55,7 @@ impl Default for PluginsConfig {
             max_memory_bytes: limits.max_memory_bytes,
             calls_per_instance: limits.calls_per_instance,
             cache_ttl_ms: 1_000,
+            max_versions_per_tenant: 20,
         }
     }
 }
@@ -364,6 +368,7 @@ impl Config {
             ("plugins.fuel_per_call", self.plugins.fuel_per_call),
             ("plugins.max_memory_bytes", self.plugins.max_memory_bytes as u64),
             ("plugins.calls_per_instance", u64::from(self.plugins.calls_per_instance)),
+            ("plugins.max_versions_per_tenant", self.plugins.max_versions_per_tenant as u64),
         ];
         for (name, value) in positive {
             if value == 0 {

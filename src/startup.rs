@@ -123,7 +123,12 @@ async fn declare_tenants(storage: &Arc<dyn Storage>, plugins: &Registry, config:
             let active = storage.active_plugin(&id).await?;
             let unchanged = active.is_some_and(|a| a.sha256 == plugin.sha256() && a.config == t.plugin_config);
             if !unchanged {
-                let upload = PluginUpload { sha256: plugin.sha256(), wasm, config: t.plugin_config.clone() };
+                let upload = PluginUpload {
+                    sha256: plugin.sha256(),
+                    wasm,
+                    config: t.plugin_config.clone(),
+                    max_versions: config.plugins.max_versions_per_tenant,
+                };
                 let saved = storage.save_plugin(&id, &upload, now_ms()).await?;
                 tracing::info!(tenant = %id, version = saved.version, "config plugin uploaded");
             }
@@ -178,6 +183,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
             max_lines: config.orders.max_lines,
             default_ttl_seconds: config.orders.default_ttl_seconds,
+            max_plugin_versions: config.plugins.max_versions_per_tenant,
         },
         metrics: Some(metrics),
         hotpath: crate::hotpath::Hotpath::from_config(

@@ -35,6 +35,8 @@ pub struct ApiSettings {
     pub request_timeout: Duration,
     pub max_lines: usize,
     pub default_ttl_seconds: i64,
+    /// Plugin versions a tenant keeps (`[plugins] max_versions_per_tenant`).
+    pub max_plugin_versions: usize,
 }
 
 /// Everything a handler needs.

@@ -280,7 +280,10 @@ pub trait Storage: settle::SettleStore + Send + Sync + 'static {
     /// Forgets idempotency records created before `before_ms`; returns how many.
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
 
-    /// Stores a new plugin version for the tenant and makes it the active one.
+    /// Stores a new plugin version for the tenant and makes it the active one; in the same
+    /// transaction deletes the versions beyond `upload.max_versions` (oldest first, never the
+    /// new one nor the one that was active). Version numbers are never reused: the newest
+    /// version is always kept, and the next is one past it.
     async fn save_plugin(
         &self,
         tenant: &TenantId,
@@ -306,6 +309,9 @@ pub struct PluginUpload {
     pub sha256: String,
     pub wasm: Vec<u8>,
     pub config: String,
+    /// Versions the tenant keeps once this one is stored (`[plugins] max_versions_per_tenant`,
+    /// at least 1): the new one, the one active when the upload began, then the newest others.
+    pub max_versions: usize,
 }
 
 /// A stored plugin version (without its bytes).

@@ -1006,8 +1006,21 @@ pub async fn purge_idempotency(conn: &mut PgConnection, before_ms: i64, limit: u
     Ok(deleted)
 }
 
-/// Stores the next plugin version of a tenant and activates it. The tenant row is locked
-/// first, so two processes uploading at once number their versions one after the other.
+/// Deletes a tenant's ($1) versions beyond the newest $3, ranking first the new version ($2)
+/// and the active one, so neither is ever deleted while the cap is at least 2.
+const PRUNE_PLUGINS: &str = "DELETE FROM plugins WHERE tenant_id = $1 AND version IN (
+    SELECT version FROM (
+        SELECT p.version, ROW_NUMBER() OVER (ORDER BY
+            p.version = $2 DESC,
+            p.version = COALESCE((SELECT a.version FROM plugin_active a WHERE a.tenant_id = $1), 0) DESC,
+            p.version DESC) AS keep_rank
+        FROM plugins p WHERE p.tenant_id = $1) ranked
+    WHERE keep_rank > $3)";
+
+/// Stores the next plugin version of a tenant, prunes beyond the cap, and activates it. The
+/// tenant row is locked first, so two processes uploading at once number their versions one
+/// after the other, and an activation (which share-locks the row) never picks a version the
+/// prune is deleting.
 pub async fn save_plugin(
     conn: &mut PgConnection,
     tenant: &TenantId,
@@ -1030,6 +1043,9 @@ pub async fn save_plugin(
     .bind(now_ms)
     .execute(&mut *conn)
     .await?;
+    // Before the switch, so the version active until now is still the one the rule keeps.
+    let max_versions = i64::try_from(upload.max_versions).unwrap_or(i64::MAX);
+    sqlx::query(PRUNE_PLUGINS).bind(tenant.as_str()).bind(version).bind(max_versions).execute(&mut *conn).await?;
     set_active_plugin(conn, tenant, version).await?;
     Ok(PluginVersion {
         version,
@@ -1068,6 +1084,8 @@ pub async fn activate_plugin(
             active: true,
         }));
     }
+    // Waits for an upload of this tenant in flight, so the version is not one it is pruning.
+    sqlx::query("SELECT 1 FROM tenants WHERE id = $1 FOR SHARE").bind(tenant.as_str()).execute(&mut *conn).await?;
     let found: Option<(String, String, i64)> =
         sqlx::query_as("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = $1 AND version = $2")
             .bind(tenant.as_str())

@@ -970,6 +970,17 @@ pub fn purge_idempotency(conn: &Connection, before_ms: i64, limit: u32) -> Resul
 }
 
 /// Stores the next plugin version of a tenant and activates it.
+/// Deletes a tenant's (?1) versions beyond the newest ?3, ranking first the new version (?2)
+/// and the active one, so neither is ever deleted while the cap is at least 2.
+const PRUNE_PLUGINS: &str = "DELETE FROM plugins WHERE tenant_id = ?1 AND version IN (
+    SELECT version FROM (
+        SELECT p.version, ROW_NUMBER() OVER (ORDER BY
+            p.version = ?2 DESC,
+            p.version = COALESCE((SELECT a.version FROM plugin_active a WHERE a.tenant_id = ?1), 0) DESC,
+            p.version DESC) AS keep_rank
+        FROM plugins p WHERE p.tenant_id = ?1)
+    WHERE keep_rank > ?3)";
+
 pub fn save_plugin(
     conn: &Connection,
     tenant: &TenantId,
@@ -983,6 +994,9 @@ pub fn save_plugin(
         "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
     )?
     .execute(params![tenant.as_str(), version, upload.sha256, upload.wasm, upload.config, now_ms])?;
+    // Before the switch, so the version active until now is still the one the rule keeps.
+    let max_versions = i64::try_from(upload.max_versions).unwrap_or(i64::MAX);
+    conn.prepare_cached(PRUNE_PLUGINS)?.execute(params![tenant.as_str(), version, max_versions])?;
     set_active_plugin(conn, tenant, version)?;
     Ok(PluginVersion {
         version,
