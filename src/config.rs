@@ -9,6 +9,7 @@ use anyhow::{bail, Context};
 use serde::Deserialize;
 
 use crate::engine::{Kind, ResourceKey, TenantId, MAX_TOTAL};
+use crate::ratelimit::RateLimit;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -24,7 +25,33 @@ pub struct Config {
     pub buckets: BucketsConfig,
     pub auth: AuthConfig,
     pub plugins: PluginsConfig,
+    pub rate_limits: RateLimitsConfig,
     pub tenants: Vec<TenantConfig>,
+}
+
+/// Per-tenant request rate limits: the default token bucket of every tenant without a rate of
+/// its own (`rate_limit` in its `[[tenants]]` entry or through the admin API).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RateLimitsConfig {
+    /// Requests per second each tenant may make, per process; 0: no limit at all.
+    pub requests_per_second: u32,
+    /// Requests a tenant may send at once after a quiet spell (the bucket's size).
+    pub burst: u32,
+    /// Tenants whose buckets a process remembers; past it, idle ones are forgotten first.
+    pub max_tenants: usize,
+}
+
+impl Default for RateLimitsConfig {
+    fn default() -> Self {
+        Self { requests_per_second: 50_000, burst: 50_000, max_tenants: 10_000 }
+    }
+}
+
+impl RateLimitsConfig {
+    pub fn default_limit(&self) -> RateLimit {
+        RateLimit { requests_per_second: self.requests_per_second, burst: self.burst }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -311,6 +338,8 @@ pub struct TenantConfig {
     /// The plugin's configuration text.
     #[serde(default)]
     pub plugin_config: String,
+    /// The tenant's own request rate (else `[rate_limits]`); set at every start-up.
+    pub rate_limit: Option<RateLimit>,
 }
 
 /// A resource created at start-up if missing (never changed if it exists).
@@ -369,6 +398,7 @@ impl Config {
             ("plugins.max_memory_bytes", self.plugins.max_memory_bytes as u64),
             ("plugins.calls_per_instance", u64::from(self.plugins.calls_per_instance)),
             ("plugins.max_versions_per_tenant", self.plugins.max_versions_per_tenant as u64),
+            ("rate_limits.max_tenants", self.rate_limits.max_tenants as u64),
         ];
         for (name, value) in positive {
             if value == 0 {
@@ -395,8 +425,12 @@ impl Config {
         if let Some(hash) = &self.server.admin_token_sha256 {
             check_sha256("server.admin_token_sha256", hash)?;
         }
+        self.rate_limits.default_limit().validate().map_err(|e| anyhow::anyhow!("rate_limits.{e}"))?;
         for t in &self.tenants {
             TenantId::parse(t.id.clone()).with_context(|| format!("tenants: id {:?}", t.id))?;
+            if let Some(limit) = &t.rate_limit {
+                limit.validate().map_err(|e| anyhow::anyhow!("tenant {}: rate_limit.{e}", t.id))?;
+            }
             match (&t.api_key_sha256, &t.api_key_env) {
                 (Some(hash), None) => check_sha256(&format!("tenants.{}.api_key_sha256", t.id), hash)?,
                 (None, Some(_)) => {}

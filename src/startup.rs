@@ -15,6 +15,7 @@ use crate::config::{Config, RunMode};
 use crate::engine::{ResourceKey, TenantId};
 use crate::jobs::{self, JobSettings};
 use crate::plugin::{PluginHost, Registry};
+use crate::ratelimit::TenantLimiter;
 use crate::storage::postgres::{PgSettings, PgStorage};
 use crate::storage::sqlite::{SqliteSettings, SqliteStorage};
 use crate::storage::writer_limits;
@@ -108,7 +109,7 @@ async fn declare_tenants(storage: &Arc<dyn Storage>, plugins: &Registry, config:
             }
             (None, None) => bail!("tenant {id}: no API key configured"),
         };
-        storage.ensure_config_tenant(&id, &t.name, &hash, now_ms()).await?;
+        storage.ensure_config_tenant(&id, &t.name, t.rate_limit, &hash, now_ms()).await?;
         for r in &t.resources {
             let new = NewResource { key: ResourceKey::parse(r.key.clone())?, kind: r.kind, total: r.total, buckets: 1 };
             storage.create_resource(&id, &new, now_ms()).await?;
@@ -177,6 +178,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     let state = Arc::new(AppState {
         storage: storage.clone(),
         auth: Authenticator::new(admin_hash, Duration::from_millis(config.auth.cache_ttl_ms)),
+        limits: TenantLimiter::new(config.rate_limits.default_limit(), config.rate_limits.max_tenants),
         plugins,
         settings: ApiSettings {
             body_limit_bytes: config.server.body_limit_bytes,

@@ -20,8 +20,9 @@ use crate::engine::{
     Action, BucketTake, Kind, LedgerOp, LimitSpec, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason,
     Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
+use crate::ratelimit::RateLimit;
 use crate::storage::rules::{
-    adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, LineView, RESOURCE_COLUMNS,
+    self, adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, LineView, RESOURCE_COLUMNS,
 };
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
@@ -239,15 +240,20 @@ pub async fn create_tenant(
     conn: &mut PgConnection,
     id: &TenantId,
     name: &str,
+    rate_limit: Option<RateLimit>,
     key: &NewApiKey,
     now_ms: i64,
 ) -> Result<Insert, StorageError> {
+    let (rps, burst) = rules::rate_limit_columns(rate_limit);
     let created = sqlx::query(
-        "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING RETURNING id",
+        "INSERT INTO tenants (id, name, created_at, rate_limit_rps, rate_limit_burst) VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (id) DO NOTHING RETURNING id",
     )
     .bind(id.as_str())
     .bind(name)
     .bind(now_ms)
+    .bind(rps)
+    .bind(burst)
     .fetch_optional(&mut *conn)
     .await?;
     if created.is_none() {
@@ -303,17 +309,22 @@ pub async fn ensure_config_tenant(
     conn: &mut PgConnection,
     id: &TenantId,
     name: &str,
+    rate_limit: Option<RateLimit>,
     key_hash: &str,
     now_ms: i64,
 ) -> Result<(), StorageError> {
+    let (rps, burst) = rules::rate_limit_columns(rate_limit);
     // Upserts, so several processes starting on one database at once all succeed.
     sqlx::query(
-        "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)
-         ON CONFLICT (id) DO UPDATE SET name = excluded.name",
+        "INSERT INTO tenants (id, name, created_at, rate_limit_rps, rate_limit_burst) VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (id) DO UPDATE SET name = excluded.name, rate_limit_rps = excluded.rate_limit_rps,
+             rate_limit_burst = excluded.rate_limit_burst",
     )
     .bind(id.as_str())
     .bind(name)
     .bind(now_ms)
+    .bind(rps)
+    .bind(burst)
     .execute(&mut *conn)
     .await?;
     sqlx::query(
