@@ -13,6 +13,7 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 use crate::engine::TenantId;
+use crate::ratelimit::RateLimit;
 use crate::storage::{NewApiKey, Storage, StorageError};
 
 /// Most cached keys; beyond it the cache is cleared (a bound, not an eviction policy worth more).
@@ -50,6 +51,8 @@ fn equal(a: &str, b: &str) -> bool {
 pub struct TenantAuth {
     pub tenant: TenantId,
     pub key_id: String,
+    /// The tenant's own request rate as of when the key was verified (cached with it).
+    pub rate_limit: Option<RateLimit>,
 }
 
 struct Cached {
@@ -92,7 +95,7 @@ impl Authenticator {
         }
         let record = storage.find_api_key(&hash).await.map_err(AuthFailure::Storage)?;
         let record = record.filter(|r| equal(&r.hash, &hash)).ok_or(AuthFailure::Invalid)?;
-        let auth = TenantAuth { tenant: record.tenant_id, key_id: record.id };
+        let auth = TenantAuth { tenant: record.tenant_id, key_id: record.id, rate_limit: record.rate_limit };
         if let Ok(mut cache) = self.cache.write() {
             if cache.len() >= MAX_CACHED_KEYS {
                 cache.clear();
@@ -106,6 +109,13 @@ impl Authenticator {
     pub fn evict(&self, key_id: &str) {
         if let Ok(mut cache) = self.cache.write() {
             cache.retain(|_, c| c.auth.key_id != key_id);
+        }
+    }
+
+    /// Forgets every key of a tenant, so a change to it (its rate) applies here at once.
+    pub fn evict_tenant(&self, tenant: &TenantId) {
+        if let Ok(mut cache) = self.cache.write() {
+            cache.retain(|_, c| &c.auth.tenant != tenant);
         }
     }
 }

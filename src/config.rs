@@ -10,6 +10,7 @@ use anyhow::{bail, Context};
 use serde::Deserialize;
 
 use crate::engine::{Kind, ResourceKey, TenantId, MAX_TOTAL};
+use crate::ratelimit::RateLimit;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -25,7 +26,33 @@ pub struct Config {
     pub buckets: BucketsConfig,
     pub auth: AuthConfig,
     pub plugins: PluginsConfig,
+    pub rate_limits: RateLimitsConfig,
     pub tenants: Vec<TenantConfig>,
+}
+
+/// Per-tenant request rate limits: the default token bucket of every tenant without a rate of
+/// its own (`rate_limit` in its `[[tenants]]` entry or through the admin API).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RateLimitsConfig {
+    /// Requests per second each tenant may make, per process; 0: no limit at all.
+    pub requests_per_second: u32,
+    /// Requests a tenant may send at once after a quiet spell (the bucket's size).
+    pub burst: u32,
+    /// Tenants whose buckets a process remembers; past it, idle ones are forgotten first.
+    pub max_tenants: usize,
+}
+
+impl Default for RateLimitsConfig {
+    fn default() -> Self {
+        Self { requests_per_second: 50_000, burst: 50_000, max_tenants: 10_000 }
+    }
+}
+
+impl RateLimitsConfig {
+    pub fn default_limit(&self) -> RateLimit {
+        RateLimit { requests_per_second: self.requests_per_second, burst: self.burst }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -48,7 +75,7 @@ pub struct PluginsConfig {
     pub max_live_instances: u32,
     /// Threads that run plugin calls (0: one per core, at least 2).
     pub plan_threads: usize,
-    /// Plugin calls one tenant may have running or waiting at once (0: half the threads).
+    /// Plan threads one tenant's calls may occupy at once (0: half the threads, at least 1).
     pub max_concurrent_plans_per_tenant: usize,
     /// How long a call waits for a place before `429` (its tenant's) or `503` (the pool's).
     pub plan_wait_ms: u64,
@@ -67,6 +94,9 @@ pub struct PluginsConfig {
     pub max_function_body_bytes: usize,
     pub max_locals_per_function: u64,
     pub max_block_depth: usize,
+    /// Versions a tenant keeps: an upload beyond this prunes the oldest ones, never the new
+    /// version nor the one active when the upload began.
+    pub max_versions_per_tenant: usize,
 }
 
 impl Default for PluginsConfig {
@@ -82,7 +112,7 @@ impl Default for PluginsConfig {
             max_live_instances: limits.max_live_instances,
             plan_threads: 0,
             max_concurrent_plans_per_tenant: 0,
-            plan_wait_ms: 100,
+            plan_wait_ms: 1_000,
             plan_thread_nice: 0,
             compile_timeout_ms: limits.compile.timeout.as_millis() as u64,
             compile_memory_bytes: limits.compile.memory_bytes,
@@ -92,6 +122,7 @@ impl Default for PluginsConfig {
             max_function_body_bytes: limits.shape.max_function_body_bytes,
             max_locals_per_function: limits.shape.max_locals_per_function,
             max_block_depth: limits.shape.max_block_depth,
+            max_versions_per_tenant: 20,
         }
     }
 }
@@ -379,6 +410,8 @@ pub struct TenantConfig {
     /// The plugin's configuration text.
     #[serde(default)]
     pub plugin_config: String,
+    /// The tenant's own request rate (else `[rate_limits]`); set at every start-up.
+    pub rate_limit: Option<RateLimit>,
 }
 
 /// A resource created at start-up if missing (never changed if it exists).
@@ -445,6 +478,8 @@ impl Config {
             ("plugins.max_function_body_bytes", self.plugins.max_function_body_bytes as u64),
             ("plugins.max_locals_per_function", self.plugins.max_locals_per_function),
             ("plugins.max_block_depth", self.plugins.max_block_depth as u64),
+            ("plugins.max_versions_per_tenant", self.plugins.max_versions_per_tenant as u64),
+            ("rate_limits.max_tenants", self.rate_limits.max_tenants as u64),
         ];
         for (name, value) in positive {
             if value == 0 {
@@ -482,8 +517,12 @@ impl Config {
         if let Some(hash) = &self.server.admin_token_sha256 {
             check_sha256("server.admin_token_sha256", hash)?;
         }
+        self.rate_limits.default_limit().validate().map_err(|e| anyhow::anyhow!("rate_limits.{e}"))?;
         for t in &self.tenants {
             TenantId::parse(t.id.clone()).with_context(|| format!("tenants: id {:?}", t.id))?;
+            if let Some(limit) = &t.rate_limit {
+                limit.validate().map_err(|e| anyhow::anyhow!("tenant {}: rate_limit.{e}", t.id))?;
+            }
             match (&t.api_key_sha256, &t.api_key_env) {
                 (Some(hash), None) => check_sha256(&format!("tenants.{}.api_key_sha256", t.id), hash)?,
                 (None, Some(_)) => {}

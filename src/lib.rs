@@ -9,6 +9,7 @@
 //! - [`jobs`]: reservation expiry, reconciliation, idempotency purge, Redis settlement.
 //! - [`plugin`]: tenant planning plugins (WebAssembly components) run by wasmtime.
 //! - [`auth`]: API keys and the admin token (hashed, constant-time).
+//! - [`ratelimit`]: per-tenant request rate limits (a token bucket per tenant).
 //! - [`config`], [`startup`], [`cli`], [`telemetry`]: running the process.
 //! - [`bench`]: `stockd bench`, the closed-loop load generator and its baselines.
 
@@ -22,6 +23,7 @@ pub mod hotpath;
 pub mod jobs;
 pub mod plugin;
 pub mod problem;
+pub mod ratelimit;
 pub mod startup;
 pub mod storage;
 pub mod telemetry;

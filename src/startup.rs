@@ -15,6 +15,7 @@ use crate::config::{Config, RunMode};
 use crate::engine::{ResourceKey, TenantId};
 use crate::jobs::{self, JobSettings};
 use crate::plugin::{PlanPool, PluginHost, Registry};
+use crate::ratelimit::TenantLimiter;
 use crate::storage::postgres::{PgSettings, PgStorage};
 use crate::storage::sqlite::{SqliteSettings, SqliteStorage};
 use crate::storage::writer_limits;
@@ -108,7 +109,7 @@ async fn declare_tenants(storage: &Arc<dyn Storage>, plugins: &Registry, config:
             }
             (None, None) => bail!("tenant {id}: no API key configured"),
         };
-        storage.ensure_config_tenant(&id, &t.name, &hash, now_ms()).await?;
+        storage.ensure_config_tenant(&id, &t.name, t.rate_limit, &hash, now_ms()).await?;
         for r in &t.resources {
             let new = NewResource { key: ResourceKey::parse(r.key.clone())?, kind: r.kind, total: r.total, buckets: 1 };
             storage.create_resource(&id, &new, now_ms()).await?;
@@ -123,7 +124,12 @@ async fn declare_tenants(storage: &Arc<dyn Storage>, plugins: &Registry, config:
             let active = storage.active_plugin(&id).await?;
             let unchanged = active.is_some_and(|a| a.sha256 == plugin.sha256() && a.config == t.plugin_config);
             if !unchanged {
-                let upload = PluginUpload { sha256: plugin.sha256(), wasm, config: t.plugin_config.clone() };
+                let upload = PluginUpload {
+                    sha256: plugin.sha256(),
+                    wasm,
+                    config: t.plugin_config.clone(),
+                    max_versions: config.plugins.max_versions_per_tenant,
+                };
                 let saved = storage.save_plugin(&id, &upload, now_ms()).await?;
                 tracing::info!(tenant = %id, version = saved.version, "config plugin uploaded");
             }
@@ -174,12 +180,14 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     let state = Arc::new(AppState {
         storage: storage.clone(),
         auth: Authenticator::new(admin_hash, Duration::from_millis(config.auth.cache_ttl_ms)),
+        limits: TenantLimiter::new(config.rate_limits.default_limit(), config.rate_limits.max_tenants),
         plugins,
         settings: ApiSettings {
             body_limit_bytes: config.server.body_limit_bytes,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
             max_lines: config.orders.max_lines,
             default_ttl_seconds: config.orders.default_ttl_seconds,
+            max_plugin_versions: config.plugins.max_versions_per_tenant,
         },
         metrics: Some(metrics),
         hotpath: crate::hotpath::Hotpath::from_config(

@@ -1,9 +1,9 @@
-//! Tenant administration (admin token): tenants and their API keys.
+//! Tenant administration (admin token): tenants, their API keys and their request rates.
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, post};
+use axum::routing::{delete, post, put};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -13,6 +13,7 @@ use super::extract::{Admin, ValidJson};
 use super::SharedState;
 use crate::auth::mint_api_key;
 use crate::engine::TenantId;
+use crate::ratelimit::RateLimit;
 use crate::storage::Insert;
 use crate::time::{now_ms, Timestamp};
 
@@ -21,6 +22,7 @@ pub fn routes() -> Router<SharedState> {
         .route("/v1/admin/tenants", post(create_tenant).get(list_tenants))
         .route("/v1/admin/tenants/{id}/api-keys", post(create_api_key))
         .route("/v1/admin/tenants/{id}/api-keys/{key_id}", delete(revoke_api_key))
+        .route("/v1/admin/tenants/{id}/rate-limit", put(set_rate_limit).delete(clear_rate_limit))
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -30,6 +32,9 @@ pub struct CreateTenant {
     pub id: TenantId,
     /// 1-200 characters.
     pub name: String,
+    /// The tenant's own request rate; absent or `null`: the server's `[rate_limits]` default.
+    #[serde(default)]
+    pub rate_limit: Option<RateLimit>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -38,6 +43,7 @@ pub struct CreatedTenant {
     pub name: String,
     /// Shown once; only its hash is stored.
     pub api_key: String,
+    pub rate_limit: Option<RateLimit>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -46,6 +52,14 @@ pub struct TenantView {
     pub name: String,
     #[schema(value_type = String, format = DateTime)]
     pub created_at: Timestamp,
+    /// `null`: the server's `[rate_limits]` default.
+    pub rate_limit: Option<RateLimit>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TenantRate {
+    pub id: String,
+    pub rate_limit: RateLimit,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -82,11 +96,19 @@ pub async fn create_tenant(
     if name.is_empty() || name.chars().count() > 200 {
         return Err(ApiError::validation("name", "must be 1-200 characters"));
     }
+    if let Some(limit) = &req.rate_limit {
+        limit.validate().map_err(|e| ApiError::validation("rate_limit", e))?;
+    }
     let (secret, stored) = mint_api_key();
-    match state.storage.create_tenant(&req.id, name, &stored, now_ms()).await? {
+    match state.storage.create_tenant(&req.id, name, req.rate_limit, &stored, now_ms()).await? {
         Insert::Created => {
             tracing::info!(tenant = %req.id, "tenant created");
-            let body = CreatedTenant { id: req.id.to_string(), name: name.to_string(), api_key: secret };
+            let body = CreatedTenant {
+                id: req.id.to_string(),
+                name: name.to_string(),
+                api_key: secret,
+                rate_limit: req.rate_limit,
+            };
             Ok((StatusCode::CREATED, Json(body)).into_response())
         }
         Insert::AlreadyExists => {
@@ -102,7 +124,12 @@ pub async fn list_tenants(_: Admin, State(state): State<SharedState>) -> Result<
     let tenants = state.storage.list_tenants().await?;
     let items = tenants
         .into_iter()
-        .map(|t| TenantView { id: t.id.to_string(), name: t.name, created_at: Timestamp(t.created_at_ms) })
+        .map(|t| TenantView {
+            id: t.id.to_string(),
+            name: t.name,
+            created_at: Timestamp(t.created_at_ms),
+            rate_limit: t.rate_limit,
+        })
         .collect();
     Ok(Json(TenantList { items }))
 }
@@ -157,4 +184,52 @@ pub async fn revoke_api_key(
         }
         None => Err(missing()),
     }
+}
+
+/// Sets the tenant's own request rate (`requests_per_second` 0: no limit). It applies at once in
+/// this process and within `[auth] cache_ttl_ms` in the others; the tenant's bucket starts full.
+#[utoipa::path(put, path = "/v1/admin/tenants/{id}/rate-limit", tag = "admin", security(("admin_token" = [])),
+    params(("id" = String, Path)), request_body = RateLimit,
+    responses(
+        (status = 200, body = TenantRate),
+        (status = 400, description = "validation_failed", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "tenant_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn set_rate_limit(
+    _: Admin,
+    State(state): State<SharedState>,
+    Path(id): Path<String>,
+    body: ValidJson<RateLimit>,
+) -> Result<Json<TenantRate>, ApiError> {
+    let tenant = tenant_path(&id)?;
+    let limit = body.value;
+    limit.validate().map_err(|e| ApiError::validation("body", e))?;
+    store_rate_limit(&state, &tenant, Some(limit)).await?;
+    Ok(Json(TenantRate { id: tenant.to_string(), rate_limit: limit }))
+}
+
+/// Returns the tenant to the server's `[rate_limits]` default.
+#[utoipa::path(delete, path = "/v1/admin/tenants/{id}/rate-limit", tag = "admin", security(("admin_token" = [])),
+    params(("id" = String, Path)),
+    responses(
+        (status = 204, description = "the server default applies"),
+        (status = 404, description = "tenant_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn clear_rate_limit(
+    _: Admin,
+    State(state): State<SharedState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let tenant = tenant_path(&id)?;
+    store_rate_limit(&state, &tenant, None).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn store_rate_limit(state: &SharedState, tenant: &TenantId, limit: Option<RateLimit>) -> Result<(), ApiError> {
+    let stored = state.storage.set_rate_limit(tenant, limit).await?;
+    stored.ok_or_else(|| ApiError::not_found("tenant_not_found", "Tenant not found", "no such tenant"))?;
+    // The cached keys carry the old rate; other processes drop theirs within the cache time.
+    state.auth.evict_tenant(tenant);
+    tracing::info!(tenant = %tenant, ?limit, "tenant rate limit set");
+    Ok(())
 }

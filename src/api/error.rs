@@ -1,24 +1,47 @@
 //! The one HTTP mapping of errors: every failure becomes `application/problem+json` with a
 //! stable `code`. Internal details are logged here and never returned.
 
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use crate::problem::Problem;
+use crate::ratelimit::{remaining_field, RateLimit};
 use crate::storage::StorageError;
 
 pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// The IETF httpapi rate-limit headers (draft-ietf-httpapi-ratelimit-headers).
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
 /// An error answer.
 #[derive(Debug)]
 pub struct ApiError {
     pub problem: Problem,
     pub retry_after_s: Option<u32>,
+    /// `RateLimit-Policy` and `RateLimit` of a 429 (boxed: errors travel in every `Result`).
+    pub rate_limit: Option<Box<[HeaderValue; 2]>>,
 }
 
 impl ApiError {
     pub fn new(status: u16, code: &str, title: &str, detail: impl Into<String>) -> Self {
-        Self { problem: Problem::new(status, code, title, detail), retry_after_s: None }
+        Self { problem: Problem::new(status, code, title, detail), retry_after_s: None, rate_limit: None }
+    }
+
+    /// The tenant's token bucket is empty; a token is back in `retry_after_s` (at least 1).
+    pub fn rate_limited(limit: &RateLimit, retry_after_s: u32) -> Self {
+        let detail = format!(
+            "this tenant may send {} requests per second (bursts of {}); retry after {retry_after_s} s, \
+             with the same Idempotency-Key where the call takes one",
+            limit.requests_per_second, limit.burst
+        );
+        let policy = HeaderValue::try_from(limit.policy_field());
+        let remaining = HeaderValue::try_from(remaining_field(0, retry_after_s));
+        Self {
+            retry_after_s: Some(retry_after_s.max(1)),
+            rate_limit: policy.and_then(|p| Ok(Box::new([p, remaining?]))).ok(),
+            ..Self::new(429, "rate_limited", "Too many requests", detail)
+        }
     }
 
     /// A malformed or out-of-range input; `field` names it.
@@ -85,6 +108,11 @@ impl IntoResponse for ApiError {
             (status, [(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON))], body).into_response();
         if let Some(seconds) = self.retry_after_s {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if let Some(values) = self.rate_limit {
+            let [policy, remaining] = *values;
+            response.headers_mut().insert(RATELIMIT_POLICY, policy);
+            response.headers_mut().insert(RATELIMIT, remaining);
         }
         response
     }

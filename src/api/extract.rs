@@ -1,21 +1,25 @@
-//! Extractors whose rejections speak problem+json: the authenticated tenant or admin, the
-//! `Idempotency-Key` header, and a JSON body that is size-limited, strictly typed (unknown
+//! Extractors whose rejections speak problem+json: the authenticated tenant (which also takes
+//! a token from its rate limit, so every tenant route is limited and nothing else is) or admin,
+//! the `Idempotency-Key` header, and a JSON body that is size-limited, strictly typed (unknown
 //! fields refused, the failing field named) and canonically hashed for idempotency.
 
 use std::fmt::Write as _;
+use std::sync::{Arc, OnceLock};
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
-use axum::http::{header, Method, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::response::Response;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use super::error::ApiError;
+use super::error::{ApiError, RATELIMIT, RATELIMIT_POLICY};
 use super::SharedState;
 use crate::auth::{AuthFailure, TenantAuth};
 use crate::engine::IdempotencyKey;
+use crate::ratelimit::{remaining_field, Decision};
 use crate::storage::IdempotencyRequest;
 
 fn bearer(parts: &Parts) -> Option<&str> {
@@ -24,7 +28,8 @@ fn bearer(parts: &Parts) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then_some(token.trim()).filter(|t| !t.is_empty())
 }
 
-/// The tenant a request's API key belongs to.
+/// The tenant a request's API key belongs to, admitted by its rate limit. A request past the
+/// limit is refused here, before any handler runs, so a `429` is never an idempotent outcome.
 pub struct Tenant(pub TenantAuth);
 
 impl FromRequestParts<SharedState> for Tenant {
@@ -32,10 +37,47 @@ impl FromRequestParts<SharedState> for Tenant {
 
     async fn from_request_parts(parts: &mut Parts, state: &SharedState) -> Result<Self, Self::Rejection> {
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
-        match state.auth.tenant(&state.storage, token).await {
-            Ok(auth) => Ok(Tenant(auth)),
-            Err(AuthFailure::Invalid) => Err(ApiError::unauthorized()),
-            Err(AuthFailure::Storage(err)) => Err(err.into()),
+        let auth = match state.auth.tenant(&state.storage, token).await {
+            Ok(auth) => auth,
+            Err(AuthFailure::Invalid) => return Err(ApiError::unauthorized()),
+            Err(AuthFailure::Storage(err)) => return Err(err.into()),
+        };
+        match state.limits.check(&auth.tenant, auth.rate_limit) {
+            Decision::Unlimited => {}
+            Decision::Allowed { limit, remaining, reset_s } => {
+                if let Some(note) = parts.extensions.get::<RateLimitNote>() {
+                    note.set(limit.policy_field(), remaining_field(remaining, reset_s));
+                }
+            }
+            Decision::Limited { limit, retry_after_s } => {
+                metrics::counter!("stockd_rate_limited_total").increment(1);
+                return Err(ApiError::rate_limited(&limit, retry_after_s));
+            }
+        }
+        Ok(Tenant(auth))
+    }
+}
+
+/// Where the [`Tenant`] extractor leaves a served request's `RateLimit-Policy` and `RateLimit`
+/// values, for the request middleware to put on the response (an extractor cannot reach it).
+#[derive(Debug, Clone, Default)]
+pub struct RateLimitNote(Arc<OnceLock<[HeaderValue; 2]>>);
+
+impl RateLimitNote {
+    fn set(&self, policy: String, remaining: String) {
+        if let (Ok(policy), Ok(remaining)) = (HeaderValue::try_from(policy), HeaderValue::try_from(remaining)) {
+            let _ = self.0.set([policy, remaining]);
+        }
+    }
+
+    /// Adds the noted headers, unless the response already has its own (a 429).
+    pub fn apply(&self, response: &mut Response) {
+        if let Some([policy, remaining]) = self.0.get() {
+            let headers = response.headers_mut();
+            if !headers.contains_key(RATELIMIT) {
+                headers.insert(RATELIMIT_POLICY, policy.clone());
+                headers.insert(RATELIMIT, remaining.clone());
+            }
         }
     }
 }

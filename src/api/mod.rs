@@ -26,6 +26,7 @@ use tower_http::catch_panic::CatchPanicLayer;
 use self::error::ApiError;
 use crate::auth::Authenticator;
 use crate::plugin::Registry;
+use crate::ratelimit::TenantLimiter;
 use crate::storage::{ContentType, Idempotent, Storage, StoredResponse};
 
 /// Limits and defaults the handlers apply.
@@ -35,12 +36,16 @@ pub struct ApiSettings {
     pub request_timeout: Duration,
     pub max_lines: usize,
     pub default_ttl_seconds: i64,
+    /// Plugin versions a tenant keeps (`[plugins] max_versions_per_tenant`).
+    pub max_plugin_versions: usize,
 }
 
 /// Everything a handler needs.
 pub struct AppState {
     pub storage: Arc<dyn Storage>,
     pub auth: Authenticator,
+    /// Per-tenant request rate limits, applied by the [`extract::Tenant`] extractor.
+    pub limits: TenantLimiter,
     pub plugins: Arc<Registry>,
     pub settings: ApiSettings,
     pub metrics: Option<PrometheusHandle>,
@@ -80,18 +85,22 @@ async fn method_not_allowed() -> ApiError {
     ApiError::new(405, "method_not_allowed", "Method not allowed", "this route does not take that method")
 }
 
-/// Counts and times every request by route and status, and bounds its duration.
-async fn observe(State(state): State<SharedState>, request: Request, next: Next) -> Response {
+/// Counts and times every request by route and status, bounds its duration, and puts the
+/// tenant's rate-limit headers on a served tenant request.
+async fn observe(State(state): State<SharedState>, mut request: Request, next: Next) -> Response {
     let started = Instant::now();
+    let note = extract::RateLimitNote::default();
+    request.extensions_mut().insert(note.clone());
     let method = request.method().as_str().to_string();
     let route =
         request.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "unmatched".into());
-    let response = match tokio::time::timeout(state.settings.request_timeout, next.run(request)).await {
+    let mut response = match tokio::time::timeout(state.settings.request_timeout, next.run(request)).await {
         Ok(response) => response,
         Err(_) => {
             ApiError::unavailable("the request took too long; retry with the same Idempotency-Key").into_response()
         }
     };
+    note.apply(&mut response);
     let status = response.status().as_u16().to_string();
     metrics::counter!("stockd_http_requests_total", "method" => method.clone(), "route" => route.clone(), "status" => status)
         .increment(1);

@@ -85,7 +85,9 @@ fn load_failed(error: LoadError) -> ApiError {
     }
 }
 
-/// Uploads a new version (a WebAssembly component, `application/wasm`) and activates it.
+/// Uploads a new version (a WebAssembly component, `application/wasm`) and activates it. Beyond
+/// `[plugins] max_versions_per_tenant` versions, the oldest are deleted (never the version that
+/// was active until now).
 #[utoipa::path(put, path = "/v1/plugin", tag = "plugins", security(("api_key" = [])), params(UploadParams),
     request_body(content = Vec<u8>, content_type = "application/wasm"),
     responses(
@@ -134,7 +136,12 @@ pub async fn put_plugin(
     }
     let wasm: Arc<[u8]> = Arc::from(&body[..]);
     let plugin = state.plugins.load(&auth.tenant, Arc::clone(&wasm)).await.map_err(load_failed)?;
-    let upload = PluginUpload { sha256: plugin.sha256(), wasm: wasm.to_vec(), config };
+    let upload = PluginUpload {
+        sha256: plugin.sha256(),
+        wasm: wasm.to_vec(),
+        config,
+        max_versions: state.settings.max_plugin_versions,
+    };
     let saved = state.storage.save_plugin(&auth.tenant, &upload, now_ms()).await?;
     state
         .plugins

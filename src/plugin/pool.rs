@@ -5,8 +5,8 @@
 //! run at a lower scheduling priority (`plan_thread_nice`).
 //!
 //! Admission is fair by construction: a tenant holds at most `max_concurrent_plans_per_tenant`
-//! of the pool's places (waiting or running), and places are handed out first come, first
-//! served. A call that cannot get its tenant's place within `plan_wait` is the tenant's own
+//! of the pool's places (a place is a call queued for or running on a thread; the pool has a
+//! place per thread), and places are handed out first come, first served. A call that cannot get its tenant's place within `plan_wait` is the tenant's own
 //! excess (`429`); one that cannot get a pool place is the server's (`503`). Both are answers
 //! to retry, never a plugin failure.
 
@@ -43,7 +43,7 @@ impl PoolSettings {
     /// Defaults for this machine: a thread per core (at least two), half of them per tenant.
     pub fn for_this_machine() -> PoolSettings {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
-        PoolSettings { threads, per_tenant: (threads / 2).max(1), wait: Duration::from_millis(100), nice: 0 }
+        PoolSettings { threads, per_tenant: (threads / 2).max(1), wait: Duration::from_millis(1000), nice: 0 }
     }
 }
 

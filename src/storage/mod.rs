@@ -15,6 +15,7 @@ use crate::engine::{
     ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
 use crate::problem::Problem;
+use crate::ratelimit::RateLimit;
 
 /// A failure of the storage layer itself (not a business outcome).
 #[derive(Debug, thiserror::Error)]
@@ -151,14 +152,17 @@ pub struct TenantRecord {
     pub id: TenantId,
     pub name: String,
     pub created_at_ms: i64,
+    /// The tenant's own request rate; `None`: the server default.
+    pub rate_limit: Option<RateLimit>,
 }
 
-/// An API key as found by its hash.
+/// An API key as found by its hash, with its tenant's own request rate.
 #[derive(Debug, Clone)]
 pub struct ApiKeyRecord {
     pub id: String,
     pub tenant_id: TenantId,
     pub hash: String,
+    pub rate_limit: Option<RateLimit>,
 }
 
 /// A new resource's opening state.
@@ -198,6 +202,7 @@ pub trait Storage: settle::SettleStore + Send + Sync + 'static {
         &self,
         id: &TenantId,
         name: &str,
+        rate_limit: Option<RateLimit>,
         key: &NewApiKey,
         now_ms: i64,
     ) -> Result<Insert, StorageError>;
@@ -207,14 +212,18 @@ pub trait Storage: settle::SettleStore + Send + Sync + 'static {
     /// Revokes a key; `None` when the tenant has no such unrevoked key.
     async fn revoke_api_key(&self, tenant: &TenantId, key_id: &str, now_ms: i64) -> Result<Option<()>, StorageError>;
     async fn find_api_key(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StorageError>;
-    /// Declares a config tenant: created if missing, its config key (id `cfg-<tenant>`) set to `key_hash`.
+    /// Declares a config tenant: created if missing, its name and rate set, its config key (id
+    /// `cfg-<tenant>`) set to `key_hash`.
     async fn ensure_config_tenant(
         &self,
         id: &TenantId,
         name: &str,
+        rate_limit: Option<RateLimit>,
         key_hash: &str,
         now_ms: i64,
     ) -> Result<(), StorageError>;
+    /// Sets (or with `None` clears) the tenant's own request rate; `None` when no such tenant.
+    async fn set_rate_limit(&self, tenant: &TenantId, limit: Option<RateLimit>) -> Result<Option<()>, StorageError>;
 
     async fn create_resource(
         &self,
@@ -280,7 +289,10 @@ pub trait Storage: settle::SettleStore + Send + Sync + 'static {
     /// Forgets idempotency records created before `before_ms`; returns how many.
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
 
-    /// Stores a new plugin version for the tenant and makes it the active one.
+    /// Stores a new plugin version for the tenant and makes it the active one; in the same
+    /// transaction deletes the versions beyond `upload.max_versions` (oldest first, never the
+    /// new one nor the one that was active). Version numbers are never reused: the newest
+    /// version is always kept, and the next is one past it.
     async fn save_plugin(
         &self,
         tenant: &TenantId,
@@ -306,6 +318,9 @@ pub struct PluginUpload {
     pub sha256: String,
     pub wasm: Vec<u8>,
     pub config: String,
+    /// Versions the tenant keeps once this one is stored (`[plugins] max_versions_per_tenant`,
+    /// at least 1): the new one, the one active when the upload began, then the newest others.
+    pub max_versions: usize,
 }
 
 /// A stored plugin version (without its bytes).

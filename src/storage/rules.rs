@@ -6,15 +6,81 @@ use ulid::Ulid;
 use crate::engine::{ResourceKey, MAX_TOTAL};
 use crate::problem::Problem;
 
+use crate::engine::TenantId;
 use crate::engine::{
     reconcile, BucketCounts, BucketTake, LedgerOp, LedgerSum, LineResult, NewestEntry, PlannedLine, Reason,
     Reconciliation, ReservationLine, ResourceState, ResourceStatus, Target,
 };
-use crate::storage::{OrderJob, StorageError};
+use crate::ratelimit::RateLimit;
+use crate::storage::{ApiKeyRecord, OrderJob, StorageError, TenantRecord};
 
 /// The resource columns every backend selects, in the order their row mappers expect.
 pub const RESOURCE_COLUMNS: &str =
     "key, kind, status, available, reserved, consumed, total, buckets, mode, version, updated_at";
+
+/// The tenant columns every backend selects for [`tenant_row`].
+pub const TENANT_COLUMNS: &str = "id, name, created_at, rate_limit_rps, rate_limit_burst";
+
+/// The API key columns (`k`) and its tenant's rate (`t`) every backend selects for
+/// [`api_key_row`].
+pub const API_KEY_COLUMNS: &str = "k.id, k.tenant_id, k.hash, t.rate_limit_rps, t.rate_limit_burst";
+
+/// A tenant's own rate as its two nullable columns (rate per second, burst).
+pub fn rate_limit_columns(limit: Option<RateLimit>) -> (Option<i64>, Option<i64>) {
+    (limit.map(|l| i64::from(l.requests_per_second)), limit.map(|l| i64::from(l.burst)))
+}
+
+fn rate_limit_from_row<R>(row: &R) -> Result<Option<RateLimit>, StorageError>
+where
+    R: sqlx::Row,
+    for<'a> &'a str: sqlx::ColumnIndex<R>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let rps: Option<i64> = row.try_get("rate_limit_rps")?;
+    let burst: Option<i64> = row.try_get("rate_limit_burst")?;
+    let bad = |_| StorageError::Internal("unexpected tenant rate limit".into());
+    match (rps, burst) {
+        (Some(rps), Some(burst)) => Ok(Some(RateLimit {
+            requests_per_second: u32::try_from(rps).map_err(bad)?,
+            burst: u32::try_from(burst).map_err(bad)?,
+        })),
+        _ => Ok(None),
+    }
+}
+
+/// A tenant selected as [`TENANT_COLUMNS`].
+pub fn tenant_row<R>(row: &R) -> Result<TenantRecord, StorageError>
+where
+    R: sqlx::Row,
+    for<'a> &'a str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let id: String = row.try_get("id")?;
+    Ok(TenantRecord {
+        id: TenantId::parse(id).map_err(|e| StorageError::Internal(e.to_string()))?,
+        name: row.try_get("name")?,
+        created_at_ms: row.try_get("created_at")?,
+        rate_limit: rate_limit_from_row(row)?,
+    })
+}
+
+/// An API key selected as [`API_KEY_COLUMNS`].
+pub fn api_key_row<R>(row: &R) -> Result<ApiKeyRecord, StorageError>
+where
+    R: sqlx::Row,
+    for<'a> &'a str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let tenant: String = row.try_get("tenant_id")?;
+    Ok(ApiKeyRecord {
+        id: row.try_get("id")?,
+        tenant_id: TenantId::parse(tenant).map_err(|e| StorageError::Internal(e.to_string()))?,
+        hash: row.try_get("hash")?,
+        rate_limit: rate_limit_from_row(row)?,
+    })
+}
 
 /// A new identity for one business action; the ledger's unique key includes it.
 pub fn new_request_id() -> String {

@@ -316,6 +316,10 @@ impl TestApp {
         send(self.client.post(self.url(path)).bearer_auth(&self.admin_token).json(body)).await
     }
 
+    pub async fn admin_put(&self, path: &str, body: &Value) -> Reply {
+        send(self.client.put(self.url(path)).bearer_auth(&self.admin_token).json(body)).await
+    }
+
     pub async fn admin_delete(&self, path: &str) -> Reply {
         send(self.client.delete(self.url(path)).bearer_auth(&self.admin_token)).await
     }

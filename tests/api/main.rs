@@ -19,6 +19,7 @@ mod isolation;
 mod ops;
 mod orders;
 mod plugins;
+mod rate_limits;
 mod redis_mode;
 mod redis_support;
 mod reservations;

@@ -1093,3 +1093,42 @@ async fn hot_swapping_the_plugin_under_load_fails_no_request() {
     assert_eq!(versions(&shop).await, [(1, false), (2, false), (3, true)]);
     assert_no_drift(&shop).await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Version cap
+// ---------------------------------------------------------------------------------------------
+
+/// Proves plugin versions per tenant are capped (`[plugins] max_versions_per_tenant = 3`): after
+/// five uploads exactly the three newest remain, a pruned version answers 404
+/// `plugin_version_not_found`, and numbering never restarts; the version that was active when
+/// an upload began (the one a tenant rolled back to) is kept while the oldest inactive one goes;
+/// other tenants' versions are untouched.
+#[tokio::test]
+async fn plugin_versions_beyond_the_cap_are_pruned_oldest_first() {
+    let app = spawn_app_with(AppOptions::default().toml("[plugins]\nmax_versions_per_tenant = 3")).await;
+    let shop = app.create_tenant("shop").await;
+    let other = app.create_tenant("other").await;
+    assert_eq!(upload(&other, "default", None).await, 1);
+
+    for expected in 1..=5 {
+        assert_eq!(upload(&shop, "default", None).await, expected);
+    }
+    assert_eq!(versions(&shop).await, [(3, false), (4, false), (5, true)]);
+    for pruned in [1, 2] {
+        assert_problem(&shop.activate_plugin(pruned).await, 404, "plugin_version_not_found");
+    }
+    assert_active(&shop, 5, &plugin_wasm("default")).await;
+
+    // Roll back to 3, then upload: 3 was active when the upload began, so it stays; 4 goes.
+    assert_eq!(shop.activate_plugin(3).await.expect_json(200)["version"], 3);
+    assert_eq!(upload(&shop, "flash-sale", None).await, 6);
+    assert_eq!(versions(&shop).await, [(3, false), (5, false), (6, true)]);
+    assert_problem(&shop.activate_plugin(4).await, 404, "plugin_version_not_found");
+    // The next upload began with 6 active: 3 is now the oldest inactive one.
+    assert_eq!(upload(&shop, "default", None).await, 7);
+    assert_eq!(versions(&shop).await, [(5, false), (6, false), (7, true)]);
+    assert_eq!(shop.activate_plugin(6).await.expect_json(200)["version"], 6);
+    assert_active(&shop, 6, &plugin_wasm("flash-sale")).await;
+
+    assert_eq!(versions(&other).await, [(1, true)]);
+}

@@ -31,7 +31,10 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use self::ops::{reservation_from_row, resource_from_row};
-use super::rules::{bucket_rows, fold_all, preview_line, previewed, reconcile_rows, BUCKET_COLUMNS, RESOURCE_COLUMNS};
+use super::rules::{
+    self, bucket_rows, fold_all, preview_line, previewed, reconcile_rows, API_KEY_COLUMNS, BUCKET_COLUMNS,
+    RESOURCE_COLUMNS, TENANT_COLUMNS,
+};
 use super::sqlite::writer::WriterLimits;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
@@ -41,6 +44,7 @@ use crate::engine::{
     LedgerEntry, LedgerOp, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
     ResourceStatus, TenantId,
 };
+use crate::ratelimit::RateLimit;
 use crate::time::Timestamp;
 
 /// How the PostgreSQL backend is opened.
@@ -560,6 +564,7 @@ impl Storage for PgStorage {
         &self,
         id: &TenantId,
         name: &str,
+        rate_limit: Option<RateLimit>,
         key: &NewApiKey,
         now_ms: i64,
     ) -> Result<Insert, StorageError> {
@@ -568,7 +573,7 @@ impl Storage for PgStorage {
             Vec::new(),
             work(move |conn| {
                 let (id, name, key) = (id.clone(), name.clone(), key.clone());
-                Box::pin(async move { ops::create_tenant(conn, &id, &name, &key, now_ms).await })
+                Box::pin(async move { ops::create_tenant(conn, &id, &name, rate_limit, &key, now_ms).await })
             }),
         )
         .await
@@ -576,19 +581,10 @@ impl Storage for PgStorage {
 
     async fn list_tenants(&self) -> Result<Vec<TenantRecord>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let rows = sqlx::query("SELECT id, name, created_at FROM tenants ORDER BY id COLLATE \"C\" LIMIT 10000")
+        let rows = sqlx::query(&format!("SELECT {TENANT_COLUMNS} FROM tenants ORDER BY id COLLATE \"C\" LIMIT 10000"))
             .fetch_all(&mut *conn)
             .await?;
-        rows.iter()
-            .map(|r| {
-                let id: String = r.try_get("id")?;
-                Ok(TenantRecord {
-                    id: TenantId::parse(id).map_err(|e| StorageError::Internal(e.to_string()))?,
-                    name: r.try_get("name")?,
-                    created_at_ms: r.try_get("created_at")?,
-                })
-            })
-            .collect()
+        rows.iter().map(rules::tenant_row).collect()
     }
 
     async fn add_api_key(&self, tenant: &TenantId, key: &NewApiKey, now_ms: i64) -> Result<Option<()>, StorageError> {
@@ -617,23 +613,21 @@ impl Storage for PgStorage {
 
     async fn find_api_key(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let row = sqlx::query("SELECT id, tenant_id, hash FROM api_keys WHERE hash = $1 AND revoked_at IS NULL")
-            .bind(hash)
-            .fetch_optional(&mut *conn)
-            .await?;
-        let Some(row) = row else { return Ok(None) };
-        let tenant: String = row.try_get("tenant_id")?;
-        Ok(Some(ApiKeyRecord {
-            id: row.try_get("id")?,
-            tenant_id: TenantId::parse(tenant).map_err(|e| StorageError::Internal(e.to_string()))?,
-            hash: row.try_get("hash")?,
-        }))
+        let row = sqlx::query(&format!(
+            "SELECT {API_KEY_COLUMNS} FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+             WHERE k.hash = $1 AND k.revoked_at IS NULL"
+        ))
+        .bind(hash)
+        .fetch_optional(&mut *conn)
+        .await?;
+        row.as_ref().map(rules::api_key_row).transpose()
     }
 
     async fn ensure_config_tenant(
         &self,
         id: &TenantId,
         name: &str,
+        rate_limit: Option<RateLimit>,
         key_hash: &str,
         now_ms: i64,
     ) -> Result<(), StorageError> {
@@ -642,10 +636,24 @@ impl Storage for PgStorage {
             Vec::new(),
             work(move |conn| {
                 let (id, name, key_hash) = (id.clone(), name.clone(), key_hash.clone());
-                Box::pin(async move { ops::ensure_config_tenant(conn, &id, &name, &key_hash, now_ms).await })
+                Box::pin(
+                    async move { ops::ensure_config_tenant(conn, &id, &name, rate_limit, &key_hash, now_ms).await },
+                )
             }),
         )
         .await
+    }
+
+    async fn set_rate_limit(&self, tenant: &TenantId, limit: Option<RateLimit>) -> Result<Option<()>, StorageError> {
+        let (rps, burst) = rules::rate_limit_columns(limit);
+        let mut conn = acquire(&self.pool).await?;
+        let updated = sqlx::query("UPDATE tenants SET rate_limit_rps = $1, rate_limit_burst = $2 WHERE id = $3")
+            .bind(rps)
+            .bind(burst)
+            .bind(tenant.as_str())
+            .execute(&mut *conn)
+            .await?;
+        Ok((updated.rows_affected() == 1).then_some(()))
     }
 
     async fn create_resource(

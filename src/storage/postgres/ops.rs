@@ -20,8 +20,9 @@ use crate::engine::{
     Action, BucketTake, Kind, LedgerOp, LimitSpec, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason,
     Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
+use crate::ratelimit::RateLimit;
 use crate::storage::rules::{
-    adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, LineView, RESOURCE_COLUMNS,
+    self, adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, LineView, RESOURCE_COLUMNS,
 };
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
@@ -239,15 +240,20 @@ pub async fn create_tenant(
     conn: &mut PgConnection,
     id: &TenantId,
     name: &str,
+    rate_limit: Option<RateLimit>,
     key: &NewApiKey,
     now_ms: i64,
 ) -> Result<Insert, StorageError> {
+    let (rps, burst) = rules::rate_limit_columns(rate_limit);
     let created = sqlx::query(
-        "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING RETURNING id",
+        "INSERT INTO tenants (id, name, created_at, rate_limit_rps, rate_limit_burst) VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (id) DO NOTHING RETURNING id",
     )
     .bind(id.as_str())
     .bind(name)
     .bind(now_ms)
+    .bind(rps)
+    .bind(burst)
     .fetch_optional(&mut *conn)
     .await?;
     if created.is_none() {
@@ -303,17 +309,22 @@ pub async fn ensure_config_tenant(
     conn: &mut PgConnection,
     id: &TenantId,
     name: &str,
+    rate_limit: Option<RateLimit>,
     key_hash: &str,
     now_ms: i64,
 ) -> Result<(), StorageError> {
+    let (rps, burst) = rules::rate_limit_columns(rate_limit);
     // Upserts, so several processes starting on one database at once all succeed.
     sqlx::query(
-        "INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)
-         ON CONFLICT (id) DO UPDATE SET name = excluded.name",
+        "INSERT INTO tenants (id, name, created_at, rate_limit_rps, rate_limit_burst) VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (id) DO UPDATE SET name = excluded.name, rate_limit_rps = excluded.rate_limit_rps,
+             rate_limit_burst = excluded.rate_limit_burst",
     )
     .bind(id.as_str())
     .bind(name)
     .bind(now_ms)
+    .bind(rps)
+    .bind(burst)
     .execute(&mut *conn)
     .await?;
     sqlx::query(
@@ -1006,8 +1017,21 @@ pub async fn purge_idempotency(conn: &mut PgConnection, before_ms: i64, limit: u
     Ok(deleted)
 }
 
-/// Stores the next plugin version of a tenant and activates it. The tenant row is locked
-/// first, so two processes uploading at once number their versions one after the other.
+/// Deletes a tenant's ($1) versions beyond the newest $3, ranking first the new version ($2)
+/// and the active one, so neither is ever deleted while the cap is at least 2.
+const PRUNE_PLUGINS: &str = "DELETE FROM plugins WHERE tenant_id = $1 AND version IN (
+    SELECT version FROM (
+        SELECT p.version, ROW_NUMBER() OVER (ORDER BY
+            p.version = $2 DESC,
+            p.version = COALESCE((SELECT a.version FROM plugin_active a WHERE a.tenant_id = $1), 0) DESC,
+            p.version DESC) AS keep_rank
+        FROM plugins p WHERE p.tenant_id = $1) ranked
+    WHERE keep_rank > $3)";
+
+/// Stores the next plugin version of a tenant, prunes beyond the cap, and activates it. The
+/// tenant row is locked first, so two processes uploading at once number their versions one
+/// after the other, and an activation (which share-locks the row) never picks a version the
+/// prune is deleting.
 pub async fn save_plugin(
     conn: &mut PgConnection,
     tenant: &TenantId,
@@ -1030,6 +1054,9 @@ pub async fn save_plugin(
     .bind(now_ms)
     .execute(&mut *conn)
     .await?;
+    // Before the switch, so the version active until now is still the one the rule keeps.
+    let max_versions = i64::try_from(upload.max_versions).unwrap_or(i64::MAX);
+    sqlx::query(PRUNE_PLUGINS).bind(tenant.as_str()).bind(version).bind(max_versions).execute(&mut *conn).await?;
     set_active_plugin(conn, tenant, version).await?;
     Ok(PluginVersion {
         version,
@@ -1068,6 +1095,8 @@ pub async fn activate_plugin(
             active: true,
         }));
     }
+    // Waits for an upload of this tenant in flight, so the version is not one it is pruning.
+    sqlx::query("SELECT 1 FROM tenants WHERE id = $1 FOR SHARE").bind(tenant.as_str()).execute(&mut *conn).await?;
     let found: Option<(String, String, i64)> =
         sqlx::query_as("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = $1 AND version = $2")
             .bind(tenant.as_str())

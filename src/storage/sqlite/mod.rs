@@ -17,7 +17,8 @@ use sqlx::{ConnectOptions, Row};
 
 use self::writer::{Writer, WriterLimits};
 use super::rules::{
-    bucket_rows, fold_all, preview_line, previewed, reconcile_rows, LineView, BUCKET_COLUMNS, RESOURCE_COLUMNS,
+    self, bucket_rows, fold_all, preview_line, previewed, reconcile_rows, LineView, API_KEY_COLUMNS, BUCKET_COLUMNS,
+    RESOURCE_COLUMNS, TENANT_COLUMNS,
 };
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
@@ -27,6 +28,7 @@ use crate::engine::{
     Kind, LedgerEntry, LedgerOp, Mode, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation,
     ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
+use crate::ratelimit::RateLimit;
 use crate::time::Timestamp;
 
 /// How the SQLite backend is opened.
@@ -261,27 +263,19 @@ impl Storage for SqliteStorage {
         &self,
         id: &TenantId,
         name: &str,
+        rate_limit: Option<RateLimit>,
         key: &NewApiKey,
         now_ms: i64,
     ) -> Result<Insert, StorageError> {
         let (id, name, key) = (id.clone(), name.to_string(), key.clone());
-        self.writer()?.submit(move |conn| ops::create_tenant(conn, &id, &name, &key, now_ms)).await
+        self.writer()?.submit(move |conn| ops::create_tenant(conn, &id, &name, rate_limit, &key, now_ms)).await
     }
 
     async fn list_tenants(&self) -> Result<Vec<TenantRecord>, StorageError> {
-        let rows = sqlx::query("SELECT id, name, created_at FROM tenants ORDER BY id LIMIT 10000")
+        let rows = sqlx::query(&format!("SELECT {TENANT_COLUMNS} FROM tenants ORDER BY id LIMIT 10000"))
             .fetch_all(&self.read)
             .await?;
-        rows.iter()
-            .map(|r| {
-                let id: String = r.try_get("id")?;
-                Ok(TenantRecord {
-                    id: TenantId::parse(id).map_err(|e| StorageError::Internal(e.to_string()))?,
-                    name: r.try_get("name")?,
-                    created_at_ms: r.try_get("created_at")?,
-                })
-            })
-            .collect()
+        rows.iter().map(rules::tenant_row).collect()
     }
 
     async fn add_api_key(&self, tenant: &TenantId, key: &NewApiKey, now_ms: i64) -> Result<Option<()>, StorageError> {
@@ -295,28 +289,33 @@ impl Storage for SqliteStorage {
     }
 
     async fn find_api_key(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StorageError> {
-        let row = sqlx::query("SELECT id, tenant_id, hash FROM api_keys WHERE hash = $1 AND revoked_at IS NULL")
-            .bind(hash)
-            .fetch_optional(&self.read)
-            .await?;
-        let Some(row) = row else { return Ok(None) };
-        let tenant: String = row.try_get("tenant_id")?;
-        Ok(Some(ApiKeyRecord {
-            id: row.try_get("id")?,
-            tenant_id: TenantId::parse(tenant).map_err(|e| StorageError::Internal(e.to_string()))?,
-            hash: row.try_get("hash")?,
-        }))
+        let row = sqlx::query(&format!(
+            "SELECT {API_KEY_COLUMNS} FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+             WHERE k.hash = $1 AND k.revoked_at IS NULL"
+        ))
+        .bind(hash)
+        .fetch_optional(&self.read)
+        .await?;
+        row.as_ref().map(rules::api_key_row).transpose()
     }
 
     async fn ensure_config_tenant(
         &self,
         id: &TenantId,
         name: &str,
+        rate_limit: Option<RateLimit>,
         key_hash: &str,
         now_ms: i64,
     ) -> Result<(), StorageError> {
         let (id, name, key_hash) = (id.clone(), name.to_string(), key_hash.to_string());
-        self.writer()?.submit(move |conn| ops::ensure_config_tenant(conn, &id, &name, &key_hash, now_ms)).await
+        self.writer()?
+            .submit(move |conn| ops::ensure_config_tenant(conn, &id, &name, rate_limit, &key_hash, now_ms))
+            .await
+    }
+
+    async fn set_rate_limit(&self, tenant: &TenantId, limit: Option<RateLimit>) -> Result<Option<()>, StorageError> {
+        let tenant = tenant.clone();
+        self.writer()?.submit(move |conn| ops::set_rate_limit(conn, &tenant, limit)).await
     }
 
     async fn create_resource(

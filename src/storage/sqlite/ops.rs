@@ -16,8 +16,9 @@ use crate::engine::{
     Action, BucketTake, Kind, LedgerOp, LimitSpec, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason,
     Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, Target, TenantId, MAX_TOTAL,
 };
+use crate::ratelimit::RateLimit;
 use crate::storage::rules::{
-    adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, LineView, RESOURCE_COLUMNS,
+    self, adjust_refusal, bucket_seed, line_refusal, new_request_id, reservation_lines_json, LineView, RESOURCE_COLUMNS,
 };
 use crate::storage::{
     AdjustRefusal, ContentType, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
@@ -199,12 +200,17 @@ pub fn create_tenant(
     conn: &Connection,
     id: &TenantId,
     name: &str,
+    rate_limit: Option<RateLimit>,
     key: &NewApiKey,
     now_ms: i64,
 ) -> Result<Insert, StorageError> {
+    let (rps, burst) = rules::rate_limit_columns(rate_limit);
     let created = conn
-        .prepare_cached("INSERT INTO tenants (id, name, created_at) VALUES (?1, ?2, ?3) ON CONFLICT (id) DO NOTHING")?
-        .execute(params![id.as_str(), name, now_ms])?;
+        .prepare_cached(
+            "INSERT INTO tenants (id, name, created_at, rate_limit_rps, rate_limit_burst) VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT (id) DO NOTHING",
+        )?
+        .execute(params![id.as_str(), name, now_ms, rps, burst])?;
     if created == 0 {
         return Ok(Insert::AlreadyExists);
     }
@@ -239,17 +245,33 @@ pub fn revoke_api_key(
     Ok((revoked == 1).then_some(()))
 }
 
+pub fn set_rate_limit(
+    conn: &Connection,
+    tenant: &TenantId,
+    rate_limit: Option<RateLimit>,
+) -> Result<Option<()>, StorageError> {
+    let (rps, burst) = rules::rate_limit_columns(rate_limit);
+    let updated = conn
+        .prepare_cached("UPDATE tenants SET rate_limit_rps = ?1, rate_limit_burst = ?2 WHERE id = ?3")?
+        .execute(params![rps, burst, tenant.as_str()])?;
+    Ok((updated == 1).then_some(()))
+}
+
 pub fn ensure_config_tenant(
     conn: &Connection,
     id: &TenantId,
     name: &str,
+    rate_limit: Option<RateLimit>,
     key_hash: &str,
     now_ms: i64,
 ) -> Result<(), StorageError> {
+    let (rps, burst) = rules::rate_limit_columns(rate_limit);
     conn.prepare_cached(
-        "INSERT INTO tenants (id, name, created_at) VALUES (?1, ?2, ?3) ON CONFLICT (id) DO UPDATE SET name = excluded.name",
+        "INSERT INTO tenants (id, name, created_at, rate_limit_rps, rate_limit_burst) VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT (id) DO UPDATE SET name = excluded.name, rate_limit_rps = excluded.rate_limit_rps,
+             rate_limit_burst = excluded.rate_limit_burst",
     )?
-    .execute(params![id.as_str(), name, now_ms])?;
+    .execute(params![id.as_str(), name, now_ms, rps, burst])?;
     conn.prepare_cached(
         "INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT (id) DO UPDATE SET hash = excluded.hash, revoked_at = NULL",
@@ -970,6 +992,17 @@ pub fn purge_idempotency(conn: &Connection, before_ms: i64, limit: u32) -> Resul
 }
 
 /// Stores the next plugin version of a tenant and activates it.
+/// Deletes a tenant's (?1) versions beyond the newest ?3, ranking first the new version (?2)
+/// and the active one, so neither is ever deleted while the cap is at least 2.
+const PRUNE_PLUGINS: &str = "DELETE FROM plugins WHERE tenant_id = ?1 AND version IN (
+    SELECT version FROM (
+        SELECT p.version, ROW_NUMBER() OVER (ORDER BY
+            p.version = ?2 DESC,
+            p.version = COALESCE((SELECT a.version FROM plugin_active a WHERE a.tenant_id = ?1), 0) DESC,
+            p.version DESC) AS keep_rank
+        FROM plugins p WHERE p.tenant_id = ?1)
+    WHERE keep_rank > ?3)";
+
 pub fn save_plugin(
     conn: &Connection,
     tenant: &TenantId,
@@ -983,6 +1016,9 @@ pub fn save_plugin(
         "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
     )?
     .execute(params![tenant.as_str(), version, upload.sha256, upload.wasm, upload.config, now_ms])?;
+    // Before the switch, so the version active until now is still the one the rule keeps.
+    let max_versions = i64::try_from(upload.max_versions).unwrap_or(i64::MAX);
+    conn.prepare_cached(PRUNE_PLUGINS)?.execute(params![tenant.as_str(), version, max_versions])?;
     set_active_plugin(conn, tenant, version)?;
     Ok(PluginVersion {
         version,
