@@ -120,6 +120,8 @@ pub(super) struct Answer {
     pub ok: bool,
     /// Marked `Idempotent-Replayed: true`.
     pub replayed: bool,
+    /// The HTTP status; `None` when no answer came (timeout, transport error).
+    pub status: Option<StatusCode>,
     /// Why it was refused: the problem's `code`, the first failing line's reason, `http_NNN`,
     /// `timeout` or `transport`; `None` for a success.
     pub reason: Option<String>,
@@ -131,7 +133,7 @@ async fn classify(resp: Result<reqwest::Response, reqwest::Error>) -> Answer {
         Ok(r) => r,
         Err(err) => {
             let reason = if err.is_timeout() { "timeout" } else { "transport" };
-            return Answer { ok: false, replayed: false, reason: Some(reason.into()) };
+            return Answer { ok: false, replayed: false, status: None, reason: Some(reason.into()) };
         }
     };
     let status = resp.status();
@@ -139,7 +141,7 @@ async fn classify(resp: Result<reqwest::Response, reqwest::Error>) -> Answer {
     if status.is_success() {
         // Drain the body so the connection is reused.
         let _ = resp.bytes().await;
-        return Answer { ok: true, replayed, reason: None };
+        return Answer { ok: true, replayed, status: Some(status), reason: None };
     }
     let body: Value = resp.json().await.unwrap_or(Value::Null);
     let reason = body["code"].as_str().map(str::to_string).or_else(|| {
@@ -148,7 +150,7 @@ async fn classify(resp: Result<reqwest::Response, reqwest::Error>) -> Answer {
         })
     });
     let reason = reason.unwrap_or_else(|| format!("http_{}", status.as_u16()));
-    Answer { ok: false, replayed, reason: Some(reason) }
+    Answer { ok: false, replayed, status: Some(status), reason: Some(reason) }
 }
 
 pub(super) fn record(stats: &mut Stats, started: Instant, answer: &Answer) {
@@ -259,7 +261,12 @@ async fn client_loop(t: Arc<Target>, w: Workload, task: usize, deadline: Instant
                         continue;
                     }
                 };
-                let answer = Answer { ok: reservation.is_some(), replayed: false, reason: None };
+                let answer = Answer {
+                    ok: reservation.is_some(),
+                    replayed: false,
+                    status: Some(StatusCode::CREATED),
+                    reason: None,
+                };
                 record(&mut stats, started, &answer);
                 let Some(id) = reservation else { continue };
                 let confirm = rng.random_bool(0.5);
