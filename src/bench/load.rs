@@ -90,38 +90,58 @@ pub async fn create_tenant(client: &Client, base: &str, admin_token: &str) -> an
 /// Creates the workload's resources (64 at a time).
 pub async fn create_resources(t: &Target, w: Workload) -> anyhow::Result<()> {
     let results: Vec<anyhow::Result<()>> = futures::stream::iter(0..w.keys())
-        .map(|i| async move {
-            let resp = t
-                .client
-                .post(format!("{}/v1/resources", t.base))
-                .bearer_auth(&t.api_key)
-                .json(&json!({"key": key_of(w, i), "kind": "inventory", "total": TOTAL}))
-                .send()
-                .await?;
-            let status = resp.status();
-            if status != StatusCode::CREATED && status != StatusCode::CONFLICT {
-                bail!("creating {}: {status} {}", key_of(w, i), resp.text().await.unwrap_or_default());
-            }
-            Ok(())
-        })
+        .map(|i| async move { create_resource(t, &key_of(w, i)).await })
         .buffer_unordered(64)
         .collect()
         .await;
     results.into_iter().collect::<anyhow::Result<Vec<()>>>().map(|_| ())
 }
 
-/// What one answer says: ok, or the rejection reason.
-async fn classify(resp: Result<reqwest::Response, reqwest::Error>) -> (bool, bool, Option<String>) {
+/// Creates one inventory resource of [`TOTAL`] units (an existing one is left as it is).
+pub async fn create_resource(t: &Target, key: &str) -> anyhow::Result<()> {
+    let resp = t
+        .client
+        .post(format!("{}/v1/resources", t.base))
+        .bearer_auth(&t.api_key)
+        .json(&json!({"key": key, "kind": "inventory", "total": TOTAL}))
+        .send()
+        .await?;
+    let status = resp.status();
+    if status != StatusCode::CREATED && status != StatusCode::CONFLICT {
+        bail!("creating {key}: {status} {}", resp.text().await.unwrap_or_default());
+    }
+    Ok(())
+}
+
+/// What one answer says.
+#[derive(Debug, Clone)]
+pub(super) struct Answer {
+    /// A 2xx answer.
+    pub ok: bool,
+    /// Marked `Idempotent-Replayed: true`.
+    pub replayed: bool,
+    /// The HTTP status; `None` when no answer came (timeout, transport error).
+    pub status: Option<StatusCode>,
+    /// Why it was refused: the problem's `code`, the first failing line's reason, `http_NNN`,
+    /// `timeout` or `transport`; `None` for a success.
+    pub reason: Option<String>,
+}
+
+/// Reads one answer: ok, or the rejection reason.
+async fn classify(resp: Result<reqwest::Response, reqwest::Error>) -> Answer {
     let resp = match resp {
         Ok(r) => r,
-        Err(err) => return (false, false, Some(if err.is_timeout() { "timeout" } else { "transport" }.into())),
+        Err(err) => {
+            let reason = if err.is_timeout() { "timeout" } else { "transport" };
+            return Answer { ok: false, replayed: false, status: None, reason: Some(reason.into()) };
+        }
     };
     let status = resp.status();
     let replayed = resp.headers().get("idempotent-replayed").is_some_and(|v| v.as_bytes() == b"true");
     if status.is_success() {
         // Drain the body so the connection is reused.
         let _ = resp.bytes().await;
-        return (true, replayed, None);
+        return Answer { ok: true, replayed, status: Some(status), reason: None };
     }
     let body: Value = resp.json().await.unwrap_or(Value::Null);
     let reason = body["code"].as_str().map(str::to_string).or_else(|| {
@@ -129,24 +149,25 @@ async fn classify(resp: Result<reqwest::Response, reqwest::Error>) -> (bool, boo
             lines.iter().filter_map(|l| l["reason"].as_str()).find(|r| *r != "skipped").map(str::to_string)
         })
     });
-    (false, replayed, Some(reason.unwrap_or_else(|| format!("http_{}", status.as_u16()))))
+    let reason = reason.unwrap_or_else(|| format!("http_{}", status.as_u16()));
+    Answer { ok: false, replayed, status: Some(status), reason: Some(reason) }
 }
 
-pub(super) fn record(stats: &mut Stats, started: Instant, outcome: &(bool, bool, Option<String>)) {
+pub(super) fn record(stats: &mut Stats, started: Instant, answer: &Answer) {
     stats.latencies_us.push(u32::try_from(started.elapsed().as_micros()).unwrap_or(u32::MAX));
     stats.requests += 1;
-    if outcome.0 {
+    if answer.ok {
         stats.ok += 1;
     }
-    if outcome.1 {
+    if answer.replayed {
         stats.replayed += 1;
     }
-    if let Some(reason) = &outcome.2 {
+    if let Some(reason) = &answer.reason {
         *stats.rejections.entry(reason.clone()).or_insert(0) += 1;
     }
 }
 
-pub(super) async fn order(t: &Target, idem: &str, body: &Value) -> (bool, bool, Option<String>) {
+pub(super) async fn order(t: &Target, idem: &str, body: &Value) -> Answer {
     let resp = t
         .client
         .post(format!("{}/v1/orders", t.base))
@@ -158,7 +179,7 @@ pub(super) async fn order(t: &Target, idem: &str, body: &Value) -> (bool, bool, 
     classify(resp).await
 }
 
-fn order_body(idem: &str, action: &str, keys: &[String]) -> Value {
+pub(super) fn order_body(idem: &str, action: &str, keys: &[String]) -> Value {
     let lines: Vec<Value> = keys.iter().map(|k| json!({"key": k, "qty": 1})).collect();
     json!({"order_id": idem, "action": action, "lines": lines})
 }
@@ -183,7 +204,7 @@ async fn client_loop(t: Arc<Target>, w: Workload, task: usize, deadline: Instant
             Workload::HotKey | Workload::Uniform => {
                 let key = key_of(w, rng.random_range(0..w.keys()));
                 let outcome = order(&t, &idem, &order_body(&idem, "deduct", &[key])).await;
-                if outcome.0 {
+                if outcome.ok {
                     stats.consumed_expected += 1;
                 }
                 record(&mut stats, started, &outcome);
@@ -198,7 +219,7 @@ async fn client_loop(t: Arc<Target>, w: Workload, task: usize, deadline: Instant
                 }
                 let keys: Vec<String> = picked.into_iter().map(|k| key_of(w, k)).collect();
                 let outcome = order(&t, &idem, &order_body(&idem, "deduct", &keys)).await;
-                if outcome.0 {
+                if outcome.ok {
                     stats.consumed_expected += 5;
                 }
                 record(&mut stats, started, &outcome);
@@ -213,7 +234,7 @@ async fn client_loop(t: Arc<Target>, w: Workload, task: usize, deadline: Instant
                     }
                 };
                 let outcome = order(&t, &idem, &body).await;
-                if outcome.0 && !outcome.1 {
+                if outcome.ok && !outcome.replayed {
                     stats.consumed_expected += 1;
                 }
                 record(&mut stats, started, &outcome);
@@ -240,7 +261,13 @@ async fn client_loop(t: Arc<Target>, w: Workload, task: usize, deadline: Instant
                         continue;
                     }
                 };
-                record(&mut stats, started, &(reservation.is_some(), false, None));
+                let answer = Answer {
+                    ok: reservation.is_some(),
+                    replayed: false,
+                    status: Some(StatusCode::CREATED),
+                    reason: None,
+                };
+                record(&mut stats, started, &answer);
                 let Some(id) = reservation else { continue };
                 let confirm = rng.random_bool(0.5);
                 let action = if confirm { "confirm" } else { "release" };
@@ -252,7 +279,7 @@ async fn client_loop(t: Arc<Target>, w: Workload, task: usize, deadline: Instant
                     .send()
                     .await;
                 let outcome = classify(resp).await;
-                if outcome.0 && confirm {
+                if outcome.ok && confirm {
                     stats.consumed_expected += 1;
                 }
                 record(&mut stats, started, &outcome);
@@ -278,10 +305,26 @@ pub async fn run(t: &Arc<Target>, w: Workload, clients: usize, duration: Duratio
 /// Checks the workload's resources and the tenant's reconciliation over HTTP; returns the
 /// violations found (empty: all invariants hold).
 pub async fn check(t: &Target, w: Workload, stats: &Stats) -> anyhow::Result<Vec<String>> {
-    let mut problems = Vec::new();
     if w == Workload::Ceiling {
-        return Ok(problems);
+        return Ok(Vec::new());
     }
+    let (mut problems, reserved) = check_keys(t, &format!("{}:", w.name()), w.keys(), stats.consumed_expected).await?;
+    if w == Workload::ReserveConfirm && reserved != 0 {
+        problems.push(format!("{reserved} still reserved after every reservation was confirmed or released"));
+    }
+    Ok(problems)
+}
+
+/// Checks that the tenant has exactly `keys` resources under `prefix`, none negative and each
+/// summing to its total, that together they consumed `consumed_expected` units, and that
+/// reconciliation finds no drift. Returns the violations and the units still reserved.
+pub async fn check_keys(
+    t: &Target,
+    prefix: &str,
+    keys: usize,
+    consumed_expected: i64,
+) -> anyhow::Result<(Vec<String>, i64)> {
+    let mut problems = Vec::new();
     let (mut consumed, mut reserved, mut seen) = (0i64, 0i64, 0usize);
     let mut after: Option<String> = None;
     loop {
@@ -289,7 +332,7 @@ pub async fn check(t: &Target, w: Workload, stats: &Stats) -> anyhow::Result<Vec
             .client
             .get(format!("{}/v1/resources", t.base))
             .bearer_auth(&t.api_key)
-            .query(&[("prefix", format!("{}:", w.name())), ("limit", "1000".into())]);
+            .query(&[("prefix", prefix), ("limit", "1000")]);
         if let Some(a) = &after {
             req = req.query(&[("after", a)]);
         }
@@ -309,14 +352,11 @@ pub async fn check(t: &Target, w: Workload, stats: &Stats) -> anyhow::Result<Vec
             None => break,
         }
     }
-    if seen != w.keys() {
-        problems.push(format!("{seen} resources found, {} expected", w.keys()));
+    if seen != keys {
+        problems.push(format!("{seen} resources found, {keys} expected"));
     }
-    if consumed != stats.consumed_expected {
-        problems.push(format!("consumed {consumed} != acknowledged successes {}", stats.consumed_expected));
-    }
-    if w == Workload::ReserveConfirm && reserved != 0 {
-        problems.push(format!("{reserved} still reserved after every reservation was confirmed or released"));
+    if consumed != consumed_expected {
+        problems.push(format!("consumed {consumed} != acknowledged successes {consumed_expected}"));
     }
     let rec: Value = t
         .client
@@ -331,5 +371,5 @@ pub async fn check(t: &Target, w: Workload, stats: &Stats) -> anyhow::Result<Vec
     if let Some(drift) = rec["drift"].as_array().filter(|d| !d.is_empty()) {
         problems.push(format!("reconciliation drift: {}", Value::Array(drift.clone())));
     }
-    Ok(problems)
+    Ok((problems, reserved))
 }

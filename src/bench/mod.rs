@@ -10,14 +10,18 @@
 //! Baselines measured in the same run on the same database: `ceiling` (`GET /healthz` under the
 //! same clients), `row-lock` and `guarded-per-request` (see [`baseline`]); each stockd scenario
 //! is printed with its throughput ratio to them.
+//!
+//! `noisy-neighbour` ([`noisy`]) is printed in a table of its own: one tenant's latency and
+//! throughput while another floods the server with cheap, then with fuel-burning plugin plans.
 
 pub mod baseline;
 pub mod load;
+pub mod noisy;
 pub mod redis_hot;
 pub mod server;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,7 +64,9 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     pub duration_secs: u64,
     /// Comma-separated scenarios: hot-key, uniform, multi-line, replay-storm, reserve-confirm,
-    /// ceiling, row-lock, guarded-per-request; and redis-hot-key (needs STOCKD_REDIS_URL).
+    /// ceiling, row-lock, guarded-per-request; and redis-hot-key (needs STOCKD_REDIS_URL) and
+    /// noisy-neighbour (fixed 32 + 8 clients, three phases of --duration-secs each; needs
+    /// hostile-fuel-burner.wasm in --plugins-dir).
     #[arg(
         long,
         value_delimiter = ',',
@@ -70,6 +76,9 @@ pub struct BenchArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Where the built plugins are (`plugins/build.sh` writes them to plugins/dist).
+    #[arg(long, default_value = "plugins/dist")]
+    pub plugins_dir: PathBuf,
 }
 
 /// Raw counts of one scenario (merged over its clients).
@@ -127,6 +136,10 @@ pub struct ScenarioResult {
     pub ratio_to_ceiling: Option<f64>,
     pub ratio_to_row_lock: Option<f64>,
     pub ratio_to_guarded_per_request: Option<f64>,
+    /// Only for `noisy-neighbour`, whose row's own numbers are tenant B's under the fuel flood
+    /// (the phase it is judged on): every phase, both tenants and the judged ratios.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub noisy_neighbour: Option<noisy::Report>,
 }
 
 fn percentile(sorted: &[u32], p: f64) -> u32 {
@@ -168,6 +181,7 @@ fn summarize(
         ratio_to_ceiling: None,
         ratio_to_row_lock: None,
         ratio_to_guarded_per_request: None,
+        noisy_neighbour: None,
     }
 }
 
@@ -176,9 +190,13 @@ enum Scenario {
     Naive(Naive),
     /// The hot key in redis mode ([`redis_hot`]).
     RedisHotKey,
+    /// Tenant B while tenant A floods ([`noisy`]), with the fuel burner's bytes.
+    NoisyNeighbour(Vec<u8>),
 }
 
-fn parse_scenario(name: &str) -> anyhow::Result<Scenario> {
+/// The scenario named `name`. Reads the plugins a scenario needs now, so a missing one stops
+/// the bench before it starts a server.
+fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
     Ok(match name.trim() {
         "hot-key" => Scenario::Http(Workload::HotKey),
         "uniform" => Scenario::Http(Workload::Uniform),
@@ -189,13 +207,15 @@ fn parse_scenario(name: &str) -> anyhow::Result<Scenario> {
         "row-lock" => Scenario::Naive(Naive::RowLock),
         "guarded-per-request" => Scenario::Naive(Naive::Guarded),
         redis_hot::NAME => Scenario::RedisHotKey,
+        noisy::NAME => Scenario::NoisyNeighbour(noisy::read_fixture(plugins_dir)?),
         other => bail!("unknown scenario {other:?}"),
     })
 }
 
 /// `stockd bench`: runs the scenarios, prints the table, writes the JSON.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let scenarios = args.scenarios.iter().map(|s| parse_scenario(s)).collect::<anyhow::Result<Vec<_>>>()?;
+    let scenarios =
+        args.scenarios.iter().map(|s| parse_scenario(s, &args.plugins_dir)).collect::<anyhow::Result<Vec<_>>>()?;
     if args.clients == 0 || args.duration_secs == 0 {
         bail!("--clients and --duration-secs must be positive");
     }
@@ -223,13 +243,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> anyhow::Result<Vec<ScenarioResult>> {
-    let client = reqwest::Client::builder()
+/// The load generator's HTTP client, keeping a connection per closed-loop client.
+fn http_client(clients: usize) -> anyhow::Result<reqwest::Client> {
+    reqwest::Client::builder()
         .no_proxy()
-        .pool_max_idle_per_host(args.clients)
+        .pool_max_idle_per_host(clients)
         .timeout(Duration::from_secs(30))
         .build()
-        .context("building the HTTP client")?;
+        .context("building the HTTP client")
+}
+
+async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> anyhow::Result<Vec<ScenarioResult>> {
+    let client = http_client(args.clients)?;
     let api_key = load::create_tenant(&client, &server.base, &server.admin_token).await?;
     let target = Arc::new(Target { client, base: server.base.clone(), api_key });
     let duration = Duration::from_secs(args.duration_secs);
@@ -251,6 +276,14 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                 let violations = redis_hot::check(&target, &stats).await?;
                 results.push(summarize(redis_hot::NAME, args, stats, violations, server.peak_rss_kib()));
             }
+            Scenario::NoisyNeighbour(fuel_burner) => {
+                let outcome = noisy::run(server, fuel_burner, duration).await.context("running noisy-neighbour")?;
+                let mut row =
+                    summarize(noisy::NAME, args, outcome.b_under_fuel_flood, outcome.violations, server.peak_rss_kib());
+                row.clients = noisy::B_CLIENTS;
+                row.noisy_neighbour = Some(outcome.report);
+                results.push(row);
+            }
             Scenario::Naive(n) => {
                 let Some(db) = &server.db else {
                     eprintln!("bench: skipping {} (no direct database access with --url)", n.name());
@@ -269,7 +302,8 @@ fn add_ratios(results: &mut [ScenarioResult]) {
     let find = |name: &str| results.iter().find(|r| r.scenario == name).map(|r| r.ok_per_sec).filter(|v| *v > 0.0);
     let (ceiling, row_lock, guarded) = (find("ceiling"), find("row-lock"), find("guarded-per-request"));
     for r in results.iter_mut() {
-        if ["ceiling", "row-lock", "guarded-per-request"].contains(&r.scenario.as_str()) {
+        if ["ceiling", "row-lock", "guarded-per-request"].contains(&r.scenario.as_str()) || r.noisy_neighbour.is_some()
+        {
             continue;
         }
         r.ratio_to_ceiling = ceiling.map(|c| r.ok_per_sec / c);
@@ -286,7 +320,34 @@ fn ratio(r: Option<f64>) -> String {
     r.map_or_else(|| "-".into(), |v| format!("{v:.2}x"))
 }
 
+/// `reason=count,...`, or `-`.
+fn counts(map: &BTreeMap<String, u64>) -> String {
+    if map.is_empty() {
+        return "-".into();
+    }
+    map.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+}
+
 fn print_table(results: &[ScenarioResult]) {
+    let (noisy, results): (Vec<&ScenarioResult>, Vec<&ScenarioResult>) =
+        results.iter().partition(|r| r.noisy_neighbour.is_some());
+    if !results.is_empty() {
+        print_main_table(&results);
+    }
+    for r in noisy {
+        if !results.is_empty() {
+            println!();
+        }
+        if let Some(report) = &r.noisy_neighbour {
+            noisy::print(report, r.invariants_ok);
+        }
+        for v in &r.violations {
+            println!("  {}: {v}", r.scenario);
+        }
+    }
+}
+
+fn print_main_table(results: &[&ScenarioResult]) {
     println!(
         "{:<20} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  rejections",
         "scenario",
@@ -303,11 +364,6 @@ fn print_table(results: &[ScenarioResult]) {
         "replayed"
     );
     for r in results {
-        let rejections = if r.rejections.is_empty() {
-            "-".to_string()
-        } else {
-            r.rejections.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
-        };
         println!(
             "{:<20} {:>10.0} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  {}",
             r.scenario,
@@ -322,7 +378,7 @@ fn print_table(results: &[ScenarioResult]) {
             ratio(r.ratio_to_guarded_per_request),
             if r.invariants_ok { "ok" } else { "FAIL" },
             r.replayed,
-            rejections
+            counts(&r.rejections)
         );
     }
     for r in results.iter().filter(|r| !r.invariants_ok) {

@@ -57,7 +57,7 @@ pub async fn run(t: &Arc<Target>, clients: usize, duration: Duration) -> anyhow:
                     let sent = Instant::now();
                     let body = json!({"order_id": idem, "action": "deduct", "lines": [{"key": KEY, "qty": 1}]});
                     let outcome = load::order(&t, &idem, &body).await;
-                    if outcome.0 {
+                    if outcome.ok {
                         stats.consumed_expected += 1;
                     }
                     load::record(&mut stats, sent, &outcome);

@@ -435,3 +435,19 @@ fn plan_call_latency() {
         println!("default plugin, {lines:>2}-line order, {instance}: p50 {:.2} µs, p99 {:.2} µs", at(0.50), at(0.99));
     }
 }
+
+#[test]
+fn the_benchs_fuel_burner_burns_between_80_and_100_percent_of_the_default_budget() {
+    // Proves the noisy-neighbour bench's plugin is expensive yet legal: configured as the bench
+    // configures it, a plan succeeds within the default fuel budget but not within 80% of it.
+    let config = crate::bench::noisy::FUEL_BURNER_CONFIG;
+    let default_fuel = PluginLimits::default().fuel_per_call;
+    let plugin = load(shared_host(), "hostile-fuel-burner");
+    let planned = plan(&plugin, &order_of(1), config);
+    assert_eq!(resources(&planned.lines[0]), vec!["sku-0"]);
+
+    let tight = PluginLimits { fuel_per_call: default_fuel / 10 * 8, ..PluginLimits::default() };
+    let tight_host = PluginHost::new(tight).unwrap_or_else(|e| panic!("{e:#}"));
+    let failure = failed(plan_with(&load(&tight_host, "hostile-fuel-burner"), &order_of(1), config, NOW_MS));
+    assert_eq!(failure, PluginFailed::OutOfFuel { fuel: default_fuel / 10 * 8 });
+}

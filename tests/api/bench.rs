@@ -1,27 +1,27 @@
 //! `stockd bench` runs end to end: it starts its own server on a fresh database of the suite's
 //! backend, drives scenarios and baselines, checks the invariants (it exits non-zero on any
-//! violation) and writes its JSON report.
+//! violation) and writes its JSON report. No assertion here is about speed.
 
-use std::process::Stdio;
+use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
-use crate::helpers::Backend;
+use crate::helpers::{plugin_dist, Backend};
 
 /// How long one short bench run may take, start-up and invariant checks included.
 const BENCH_DEADLINE: Duration = Duration::from_secs(120);
 
-/// A one-second run of the hot key, the HTTP ceiling and both baselines passes its own
-/// invariant checks and reports every scenario it ran.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_short_bench_run_checks_its_invariants_and_reports_every_scenario() {
+/// Runs `stockd bench` with `args` plus `--json` in a temporary directory against the suite's
+/// backend; asserts it succeeds within [`BENCH_DEADLINE`] and returns its table and JSON report.
+async fn bench(args: &[&str]) -> (String, Value) {
     let dir = tempfile::tempdir().expect("a temporary directory can be created");
     let json = dir.path().join("bench.json");
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_stockd"));
     command
-        .args(["bench", "--clients", "8", "--duration-secs", "1"])
-        .args(["--scenarios", "ceiling,hot-key,row-lock,guarded-per-request", "--json"])
+        .arg("bench")
+        .args(args)
+        .arg("--json")
         .arg(&json)
         .current_dir(dir.path())
         .env("RUST_LOG", "warn")
@@ -31,19 +31,93 @@ async fn a_short_bench_run_checks_its_invariants_and_reports_every_scenario() {
     if Backend::from_env() == Backend::Postgres {
         command.args(["--backend", "postgres", "--database-url", &crate::helpers::pg_admin_url()]);
     }
-    let output = tokio::time::timeout(BENCH_DEADLINE, command.output())
+    let output: Output = tokio::time::timeout(BENCH_DEADLINE, command.output())
         .await
         .expect("the bench finishes within its deadline")
         .expect("the stockd binary runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "bench failed: {}\n{stdout}\n{stderr}", output.status);
-
     let report: Value = serde_json::from_slice(&std::fs::read(&json).expect("the JSON report is written"))
         .expect("the JSON report parses");
+    (stdout, report)
+}
+
+/// A one-second run of the hot key, the HTTP ceiling and both baselines passes its own
+/// invariant checks and reports every scenario it ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_bench_run_checks_its_invariants_and_reports_every_scenario() {
+    let (stdout, report) = bench(&[
+        "--clients",
+        "8",
+        "--duration-secs",
+        "1",
+        "--scenarios",
+        "ceiling,hot-key,row-lock,guarded-per-request",
+    ])
+    .await;
     let text = report.to_string();
     for scenario in ["ceiling", "hot-key", "row-lock", "guarded-per-request"] {
         assert!(text.contains(scenario), "{scenario} is in the report: {text}");
         assert!(stdout.contains(scenario), "{scenario} is in the table: {stdout}");
     }
+}
+
+/// A one-second-per-phase noisy-neighbour run uploads the fuel burner for tenant A, reports
+/// tenant B in all three phases (A only in the two floods) with both judged ratios, and passes
+/// the invariant checks of both tenants.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_noisy_neighbour_run_reports_three_phases_and_clean_invariants() {
+    let dist = plugin_dist().to_str().expect("the plugins folder is valid UTF-8").to_owned();
+    let (stdout, report) =
+        bench(&["--duration-secs", "1", "--scenarios", "noisy-neighbour", "--plugins-dir", &dist]).await;
+
+    let rows = report.as_array().expect("the report is a list of rows");
+    assert_eq!(rows.len(), 1, "{report}");
+    let row = &rows[0];
+    assert_eq!(row["scenario"], "noisy-neighbour", "{row}");
+    assert_eq!(row["invariants_ok"], true, "{row}");
+    assert_eq!(row["violations"], json!([]), "{row}");
+    let detail = &row["noisy_neighbour"];
+    let phases: Vec<&Value> = detail["phases"].as_array().expect("phases").iter().collect();
+    let names: Vec<&str> = phases.iter().map(|p| p["phase"].as_str().expect("a phase name")).collect();
+    assert_eq!(names, ["b-alone", "cheap-flood", "fuel-flood"], "{detail}");
+    for phase in &phases {
+        assert_eq!(phase["tenant_b"]["clients"], 8, "{phase}");
+        assert!(phase["tenant_b"]["ok"].as_u64().expect("B's ok count") > 0, "B is served in every phase: {phase}");
+    }
+    assert_eq!(phases[0]["tenant_a"], Value::Null, "A is idle while B runs alone: {detail}");
+    for phase in &phases[1..] {
+        assert_eq!(phase["tenant_a"]["clients"], 32, "{phase}");
+        assert!(phase["tenant_a"]["requests"].as_u64().expect("A's request count") > 0, "A floods: {phase}");
+    }
+    assert_eq!(detail["fuel_burner_config"], "burn = 970000", "{detail}");
+    assert!(detail["throughput_ratio"].is_f64(), "{detail}");
+    assert!(detail["p99_ratio"].is_f64(), "{detail}");
+
+    for line in ["b-alone", "cheap-flood", "fuel-flood", "invariants ok"] {
+        assert!(stdout.contains(line), "{line:?} is in the table: {stdout}");
+    }
+}
+
+/// Without the fuel burner the noisy-neighbour scenario refuses to start and says how to
+/// build it.
+#[tokio::test]
+async fn noisy_neighbour_without_the_fixture_fails_with_how_to_build_it() {
+    let empty = tempfile::tempdir().expect("a temporary directory can be created");
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_stockd"))
+        .args(["bench", "--scenarios", "noisy-neighbour", "--plugins-dir"])
+        .arg(empty.path())
+        .env_remove("STOCKD_ADMIN_TOKEN")
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(BENCH_DEADLINE, output)
+        .await
+        .expect("the bench stops within its deadline")
+        .expect("the stockd binary runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "the bench must fail: {stderr}");
+    assert!(stderr.contains("hostile-fuel-burner.wasm"), "names the missing file: {stderr}");
+    assert!(stderr.contains("plugins/build.sh"), "says how to build it: {stderr}");
 }

@@ -818,16 +818,21 @@ impl TenantClient {
 }
 
 /// The bytes of the component `plugins/dist/<name>.wasm` (`default`, `flash-sale`, ...,
-/// `hostile-loop`, ...). The first call in a test process runs `plugins/build.sh`, which builds
-/// every example plugin and hostile fixture; a failed build fails every test that needs one.
+/// `hostile-loop`, ...), built by [`plugin_dist`].
 pub fn plugin_wasm(name: &str) -> Vec<u8> {
+    let path = plugin_dist().join(format!("{name}.wasm"));
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The folder `plugins/dist`. The first call in a test process runs `plugins/build.sh`, which
+/// builds every example plugin and hostile fixture into it; a failed build fails every test
+/// that needs one.
+pub fn plugin_dist() -> &'static Path {
     static DIST: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
-    let dist = match DIST.get_or_init(build_plugins) {
+    match DIST.get_or_init(build_plugins) {
         Ok(dist) => dist,
         Err(e) => panic!("{e}"),
-    };
-    let path = dist.join(format!("{name}.wasm"));
-    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
 }
 
 fn build_plugins() -> Result<PathBuf, String> {
