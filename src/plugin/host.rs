@@ -5,8 +5,9 @@
 //! Loading an upload: size and header checks, the structural pre-checks (`precheck.rs`), then
 //! a compile in a child process under hard limits (`compile.rs`), whose artifact this process
 //! maps. One compile per sha256 at a time (later callers wait for the first), at most
-//! `max_concurrent_compiles` at once and one per tenant; nothing is cached from a refused or
-//! abandoned compile.
+//! `max_concurrent_compiles` at once and one per tenant. Nothing compiled is kept from a
+//! refused or abandoned compile; a refusal is remembered, so the same bytes are refused again
+//! at once.
 //!
 //! Isolation of a call: each instance has its own `Store` (memory capped by [`StoreLimits`],
 //! fuel reset to the budget and a wall-clock deadline set before every call, lifting of the
@@ -115,6 +116,10 @@ pub struct PluginHost {
     linker: Linker<CallState>,
     limits: PluginLimits,
     cache: Mutex<Cache>,
+    /// Components refused as invalid, by sha256, so the same bytes (an active version that
+    /// today's limits refuse, re-planned on every order; a bomb uploaded again) are answered
+    /// at once instead of compiled again. Only `Invalid` verdicts: never a transient failure.
+    refused: Mutex<Refused>,
     budget: Arc<InstanceBudget>,
     compiler: Compiler,
     /// Compiles in progress by sha256. Weak: when every caller waiting for one has gone
@@ -160,6 +165,16 @@ struct Cache {
     by_sha256: HashMap<[u8; 32], PlannerPre<CallState>>,
     order: VecDeque<[u8; 32]>,
 }
+
+/// Refusals remembered by sha256, oldest first for eviction.
+#[derive(Default)]
+struct Refused {
+    by_sha256: HashMap<[u8; 32], PluginInvalid>,
+    order: VecDeque<[u8; 32]>,
+}
+
+/// Refused components remembered (a few hundred bytes each).
+const MAX_REMEMBERED_REFUSALS: usize = 1024;
 
 /// A validated, compiled plugin, ready to plan, with its own pool of live instances. Shared
 /// by every request of the tenant (and version) that loaded it, never across tenants.
@@ -248,6 +263,7 @@ impl PluginHost {
             linker,
             limits,
             cache: Mutex::default(),
+            refused: Mutex::default(),
             budget,
             compiler,
             in_flight: Mutex::default(),
@@ -286,6 +302,9 @@ impl PluginHost {
         if let Some(pre) = self.cache().by_sha256.get(&sha256) {
             return Ok(Arc::new(self.with_own_pool(sha256, pre.clone())));
         }
+        if let Some(invalid) = self.refused().by_sha256.get(&sha256) {
+            return Err(invalid.clone().into());
+        }
         let compile = self.join_or_start(tenant, sha256, wasm)?;
         let pre = compile.await?;
         Ok(Arc::new(self.with_own_pool(sha256, pre)))
@@ -312,6 +331,9 @@ impl PluginHost {
         let compile = async move {
             let _tenant_slot = tenant_slot;
             let result = host.compile(sha256, &wasm).await;
+            if let Err(LoadError::Invalid(invalid)) = &result {
+                host.remember_refusal(sha256, invalid);
+            }
             host.in_flight.lock().unwrap_or_else(PoisonError::into_inner).remove(&sha256);
             result
         }
@@ -416,6 +438,23 @@ impl PluginHost {
             budget: Arc::clone(&self.budget),
             deadline_ticks: self.deadline_ticks,
         }
+    }
+
+    fn remember_refusal(&self, sha256: [u8; 32], invalid: &PluginInvalid) {
+        let mut refused = self.refused();
+        if refused.by_sha256.insert(sha256, invalid.clone()).is_none() {
+            refused.order.push_back(sha256);
+            while refused.order.len() > MAX_REMEMBERED_REFUSALS {
+                if let Some(oldest) = refused.order.pop_front() {
+                    refused.by_sha256.remove(&oldest);
+                }
+            }
+        }
+    }
+
+    fn refused(&self) -> MutexGuard<'_, Refused> {
+        // Changed only in single, complete steps, like the cache.
+        self.refused.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn cache(&self) -> MutexGuard<'_, Cache> {
