@@ -10,13 +10,7 @@ struct DefaultPlanner;
 
 impl Guest for DefaultPlanner {
     fn plan(order: Order, _ctx: Context) -> Result<Plan, String> {
-        let lines = order
-            .lines
-            .iter()
-            .enumerate()
-            .map(|(index, line)| planned(index, line, vec![target(line.key.clone())]))
-            .collect();
-        Ok(Plan { policy: Policy::AllOrNothing, lines })
+        Ok(default_plan(&order))
     }
 }
 

@@ -182,3 +182,15 @@ pub fn target(resource: String) -> Target {
 pub fn planned(index: usize, line: &OrderLine, targets: Vec<Target>) -> PlannedLine {
     PlannedLine { line: index as u32, qty: line.qty, mandatory: false, targets, limit: None }
 }
+
+/// The plan of stockd's built-in default: each line takes its own quantity from the resource
+/// named by its key, all-or-nothing, no kind check, no per-user limit, no creation.
+pub fn default_plan(order: &Order) -> Plan {
+    let lines = order
+        .lines
+        .iter()
+        .enumerate()
+        .map(|(index, line)| planned(index, line, vec![target(line.key.clone())]))
+        .collect();
+    Plan { policy: Policy::AllOrNothing, lines }
+}

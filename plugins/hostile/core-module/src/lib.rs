@@ -8,13 +8,7 @@ struct Default;
 
 impl Guest for Default {
     fn plan(order: Order, _ctx: Context) -> Result<Plan, String> {
-        let lines = order
-            .lines
-            .iter()
-            .enumerate()
-            .map(|(index, line)| planned(index, line, vec![target(line.key.clone())]))
-            .collect();
-        Ok(Plan { policy: Policy::AllOrNothing, lines })
+        Ok(default_plan(&order))
     }
 }
 
