@@ -5,13 +5,18 @@
 //! plugin_invalid` within the compile limits (wall clock, CPU, memory), compiled in a child
 //! process so the server's own memory stays flat, never cached, compiled once for identical
 //! concurrent uploads, a bounded number at a time, and killed with the server on SIGTERM;
-//! obvious bombs are refused at once by structural pre-checks.
+//! obvious bombs are refused at once by structural pre-checks. Plan calls: a bounded pool with
+//! a per-tenant cap (the flooding tenant gets 429, others carry on), pool exhaustion that is
+//! not the caller's fault answers 503, a wall-clock deadline stops what fuel would not, and a
+//! plan that multiplies when lifted is refused without growing the server.
 //!
 //! Everything is observed from outside: HTTP answers, `/metrics`, and the server process in
 //! `/proc` (memory, child processes). Every wait has a deadline, so a server that hangs fails
 //! the test instead of hanging it.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -40,6 +45,8 @@ const PRECHECK_DEADLINE: Duration = Duration::from_secs(5);
 const STATE_DEADLINE: Duration = Duration::from_secs(30);
 /// How long a SIGTERM'd server, and its compiler child, may take to go.
 const EXIT_DEADLINE: Duration = Duration::from_secs(10);
+/// Within this a plan call must be stopped by its wall-clock deadline (`plan_timeout_ms` 200).
+const PLAN_DEADLINE: Duration = Duration::from_secs(10);
 /// How often a test polls for an observable state.
 const POLL_INTERVAL: Duration = Duration::from_millis(10);
 /// How far the server's resident memory may rise above its idle level.
@@ -50,6 +57,12 @@ const COMPILER: &str = "compile-plugin";
 const TOO_COMPLEX: &str = "too complex to compile within limits";
 /// Stock large enough that no test runs out.
 const PLENTY: i64 = 1_000_000_000;
+/// Fuel for the tests where fuel must not be what stops a call (10^11: ~100 s of burning).
+const AMPLE_FUEL: u64 = 100_000_000_000;
+/// `fuel-burner`'s `burn` for a call of about 0.2 s (1 ns and ~7 fuel per iteration here).
+const BURN_200_MS: &str = "burn = 200000000";
+/// `fuel-burner`'s `burn` for a call of about 3 s.
+const BURN_3_S: &str = "burn = 3000000000";
 
 /// Cranelift-heavy, structurally modest: 4 functions, each keeping 1,000 locals live through
 /// 3,000 joins (~64 KiB of code each, 272 KB in all). With this repository's debug build,
@@ -501,4 +514,202 @@ async fn another_tenant_keeps_ordering_while_bombs_are_uploaded_and_the_server_s
     assert_eq!(app.pid(), pid, "the same process");
     assert_eq!(app.get_anonymous("/healthz").await.status(), 200);
     assert_counts(&shop.state("sku-1").await, PLENTY - placed, 0, placed, PLENTY);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plan calls
+// ---------------------------------------------------------------------------------------------
+
+/// Proves the per-tenant cap on concurrent plan calls: tenant A floods 32 concurrent orders
+/// through a plugin that burns ~0.2 s per call (`max_concurrent_plans_per_tenant` 1,
+/// `plan_wait_ms` 20), and its excess gets `429 too_many_requests` with Retry-After; meanwhile
+/// tenant B's orders (a plugin of its own) never get 429 and all succeed (201).
+#[tokio::test]
+async fn a_tenant_flooding_a_slow_plugin_gets_429_and_another_tenant_only_201() {
+    let settings = Settings::default()
+        .set("fuel_per_call", AMPLE_FUEL)
+        .set("plan_threads", 2)
+        .set("max_concurrent_plans_per_tenant", 1)
+        .set("plan_wait_ms", 20)
+        .set("plan_timeout_ms", 10_000)
+        .far_compile_limits();
+    let app = spawn_app_with(settings.app()).await;
+    let (flooder, shop) = slow_and_other(&app, BURN_200_MS).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let too_many = Arc::new(AtomicUsize::new(0));
+    let flood: Vec<_> = (0..32)
+        .map(|_| {
+            let (flooder, stop, too_many) = (flooder.clone(), stop.clone(), too_many.clone());
+            tokio::spawn(async move {
+                let mut replies = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let reply = order(&flooder).await.map_err(|e| e.to_string());
+                    if reply.as_ref().is_ok_and(|reply| reply.status() == 429) {
+                        too_many.fetch_add(1, Ordering::Relaxed);
+                    }
+                    replies.push(reply);
+                }
+                replies
+            })
+        })
+        .collect();
+    poll_until(STATE_DEADLINE, "a first 429 for the flooding tenant", &app, || {
+        (too_many.load(Ordering::Relaxed) > 0).then_some(())
+    })
+    .await;
+
+    // Tenant B orders while tenant A's flood goes on.
+    let mut shop_statuses = Vec::new();
+    for _ in 0..20 {
+        let reply = within(STATE_DEADLINE, "an order of the other tenant", &app, order(&shop)).await;
+        shop_statuses.push(reply.map(|reply| reply.status()).map_err(|e| e.to_string()));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut flood_replies = Vec::new();
+    for client in flood {
+        flood_replies.extend(within(STATE_DEADLINE, "the flood to stop", &app, client).await.expect("no panic"));
+    }
+
+    assert_eq!(shop_statuses, vec![Ok(201); 20], "the other tenant's orders all succeed");
+    let mut succeeded = 0;
+    for reply in &flood_replies {
+        let reply = reply.as_ref().unwrap_or_else(|e| panic!("a flooding order failed at the transport level: {e}"));
+        match reply.status() {
+            201 => succeeded += 1,
+            _ => assert_retry_later(reply, 429, "too_many_requests"),
+        }
+    }
+    assert!(succeeded >= 1, "the flooding tenant's orders within its cap succeed");
+}
+
+/// Proves pool exhaustion that is not the caller's fault answers `503 unavailable` with
+/// Retry-After, never `422 plugin_failed`: with one plan thread (`plan_threads` 1), tenant A's
+/// ~3 s call holds it, and tenant B's orders, waiting longer than `plan_wait_ms`, get 503 (or
+/// 201 before and after), never 422 nor 429; A's call completes (201).
+#[tokio::test]
+async fn another_tenants_call_holding_the_only_plan_thread_gives_503_not_422() {
+    let pool = Settings::default().set("plan_threads", 1).set("max_concurrent_plans_per_tenant", 1);
+    assert_other_tenant_gets_503_while_long_calls_run(pool, 1).await;
+}
+
+/// Proves exhausted plugin instances answer `503 unavailable` with Retry-After, never `422
+/// plugin_failed`: with room for two live instances (`max_live_instances` 2), tenant A's two
+/// ~3 s calls hold both, and tenant B's orders get 503 (or 201 before and after), never 422.
+#[tokio::test]
+async fn exhausted_live_instances_give_503_not_422() {
+    let pool = Settings::default()
+        .set("max_live_instances", 2)
+        .set("plan_threads", 4)
+        .set("max_concurrent_plans_per_tenant", 4);
+    assert_other_tenant_gets_503_while_long_calls_run(pool, 2).await;
+}
+
+/// On a server with the `pool` settings, tenant A starts `long_calls` concurrent ~3 s calls;
+/// tenant B then orders until one answer is `503 unavailable` with Retry-After, all before it
+/// 201; A's calls all succeed.
+async fn assert_other_tenant_gets_503_while_long_calls_run(pool: Settings, long_calls: usize) {
+    let settings = pool
+        .set("fuel_per_call", AMPLE_FUEL)
+        .set("plan_wait_ms", 50)
+        .set("plan_timeout_ms", 30_000)
+        .far_compile_limits();
+    let app = spawn_app_with(settings.app()).await;
+    let (slow, shop) = slow_and_other(&app, BURN_3_S).await;
+
+    let calls = tokio::spawn(async move { futures::future::join_all((0..long_calls).map(|_| order(&slow))).await });
+    let replies = until_unavailable(&app, &shop, &calls).await;
+
+    let calls = within(STATE_DEADLINE, "the long calls", &app, calls).await.expect("the calls do not panic");
+    for call in calls {
+        assert_eq!(call.map(|reply| reply.status()).map_err(|e| e.to_string()), Ok(201), "a long call succeeds");
+    }
+    assert_only_201_then_503(&replies);
+}
+
+/// Tenant `slow`, planning with `fuel-burner` configured with `burn`, and tenant `shop`, planning
+/// with the default plugin (so both need the plan pool).
+async fn slow_and_other(app: &TestApp, burn: &str) -> (TenantClient, TenantClient) {
+    let slow = tenant(app, "slow").await;
+    let shop = tenant(app, "shop").await;
+    upload(&slow, plugin_wasm("hostile-fuel-burner"), burn).await;
+    upload(&shop, plugin_wasm("default"), "").await;
+    (slow, shop)
+}
+
+/// Orders as `shop` until one is answered 503 or `blocker` has finished; returns the replies.
+async fn until_unavailable<T>(app: &TestApp, shop: &TenantClient, blocker: &tokio::task::JoinHandle<T>) -> Vec<Reply> {
+    within(STATE_DEADLINE, "a 503 for the other tenant", app, async {
+        let mut replies = Vec::new();
+        loop {
+            let reply = order(shop).await.unwrap_or_else(|e| panic!("an order failed at the transport level: {e}"));
+            let unavailable = reply.status() == 503;
+            replies.push(reply);
+            if unavailable || blocker.is_finished() {
+                return replies;
+            }
+        }
+    })
+    .await
+}
+
+/// Asserts the other tenant's orders were 201 until the last, a `503 unavailable` with
+/// Retry-After.
+#[track_caller]
+fn assert_only_201_then_503(replies: &[Reply]) {
+    let statuses: Vec<u16> = replies.iter().map(Reply::status).collect();
+    let (last, before) = replies.split_last().expect("at least one order was placed");
+    assert!(before.iter().all(|reply| reply.status() == 201), "orders before the 503 succeed: {statuses:?}");
+    assert_eq!(
+        last.status(),
+        503,
+        "the other tenant got 503 while the pool was exhausted: {statuses:?}; {}",
+        last.text
+    );
+    assert_retry_later(last, 503, "unavailable");
+}
+
+/// Proves the wall-clock deadline of a plan call (`plan_timeout_ms` 200, enforced by epoch
+/// interruption) stops an endless loop that fuel would not stop for days (`fuel_per_call`
+/// 10^15): `422 plugin_failed` saying "time limit", within a few seconds; the server then
+/// serves another tenant's order.
+#[tokio::test]
+async fn an_endless_loop_with_a_huge_fuel_budget_is_stopped_by_the_time_limit() {
+    let settings = Settings::default()
+        .set("fuel_per_call", 1_000_000_000_000_000_u64)
+        .set("plan_timeout_ms", 200)
+        .far_compile_limits();
+    let app = spawn_app_with(settings.app()).await;
+    let looper = tenant(&app, "looper").await;
+    let shop = tenant(&app, "shop").await;
+    upload(&looper, plugin_wasm("hostile-loop"), "").await;
+
+    let reply = within(PLAN_DEADLINE, "an endless loop", &app, order(&looper)).await.expect("an answer");
+
+    let problem = assert_problem(&reply, 422, "plugin_failed");
+    assert!(problem["detail"].as_str().is_some_and(|d| d.contains("time limit")), "detail says time limit: {problem}");
+    let other = within(PLAN_DEADLINE, "another tenant's order", &app, order(&shop)).await.expect("an answer");
+    assert_eq!(other.status(), 201, "{}", other.text);
+}
+
+/// Proves a plan whose lines all alias one target list in the plugin's memory (~1.1 MB that
+/// describe 125 million targets when copied) is refused with `422 plugin_failed`, and that the
+/// server's resident memory stays within 64 MiB of its level before, during the call and after.
+#[tokio::test]
+async fn a_plan_aliasing_one_target_list_is_refused_without_growing_the_server() {
+    let app = spawn_app_with(Settings::default().far_compile_limits().app()).await;
+    let bomber = tenant(&app, "bomber").await;
+    let shop = tenant(&app, "shop").await;
+    upload(&bomber, plugin_wasm("hostile-lift-bomb"), "").await;
+    upload(&shop, plugin_wasm("default"), "").await;
+    assert_eq!(order(&shop).await.expect("an answer").status(), 201, "a plan call warms the plan path");
+    let before = idle_rss(&app).await;
+    let memory = PeakWatch::memory(app.pid());
+
+    let reply = within(PLAN_DEADLINE, "the lifting bomb", &app, order(&bomber)).await.expect("an answer");
+
+    assert_problem(&reply, 422, "plugin_failed");
+    assert_rss_near_idle(before, memory.peak().await, "lifting the plan");
+    let after = procfs::rss_bytes(app.pid()).expect("the server process is running");
+    assert_rss_near_idle(before, after, "after the refused plan");
 }
