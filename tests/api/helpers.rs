@@ -270,8 +270,14 @@ impl TestApp {
         format!("http://{}{}", self.addr, path)
     }
 
-    fn pid(&self) -> u32 {
+    /// The server's process id, for tests that look at the process from outside (`/proc`).
+    pub fn pid(&self) -> u32 {
         self.child.as_ref().and_then(Child::id).expect("the server process is running")
+    }
+
+    /// Whether the server process is still running (it has not exited, crashed or aborted).
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|child| matches!(child.try_wait(), Ok(None)))
     }
 
     /// SIGKILL the server and wait until it is gone.
@@ -286,17 +292,22 @@ impl TestApp {
 
     /// SIGTERM the server, wait for it to exit, and return its exit status.
     pub async fn terminate(&mut self) -> ExitStatus {
+        match self.terminate_within(EXIT_DEADLINE).await {
+            Some(status) => status,
+            None => panic!("stockd did not exit within {EXIT_DEADLINE:?} of SIGTERM; output:\n{}", self.logs()),
+        }
+    }
+
+    /// SIGTERM the server and wait up to `deadline` for it to exit: its exit status, or `None`
+    /// if it is still running (it is then killed when the `TestApp` is dropped).
+    pub async fn terminate_within(&mut self, deadline: Duration) -> Option<ExitStatus> {
         let pid = self.pid().to_string();
         let sent = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("the kill command exists");
         assert!(sent.success(), "kill -TERM {pid} failed");
-        let mut child = self.child.take().expect("pid() checked the child exists");
-        match tokio::time::timeout(EXIT_DEADLINE, child.wait()).await {
-            Ok(status) => status.expect("waiting on our own child works"),
-            Err(_) => {
-                let _ = child.start_kill();
-                panic!("stockd did not exit within {EXIT_DEADLINE:?} of SIGTERM; output:\n{}", self.logs())
-            }
-        }
+        let child = self.child.as_mut().expect("pid() checked the child exists");
+        let status = tokio::time::timeout(deadline, child.wait()).await.ok()?;
+        self.child = None;
+        Some(status.expect("waiting on our own child works"))
     }
 
     /// Start the server again on the same directory and database (new port). A process still

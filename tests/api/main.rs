@@ -8,6 +8,7 @@
 //! default `sqlite`), so the same suite runs against every backend.
 
 mod bench;
+mod bombs;
 mod buckets;
 mod cluster;
 mod concurrency;
@@ -18,7 +19,9 @@ mod idempotency;
 mod isolation;
 mod ops;
 mod orders;
+mod plugin_isolation;
 mod plugins;
+mod procfs;
 mod rate_limits;
 mod redis_mode;
 mod redis_support;

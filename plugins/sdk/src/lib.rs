@@ -184,7 +184,7 @@ pub fn planned(index: usize, line: &OrderLine, targets: Vec<Target>) -> PlannedL
 }
 
 /// The plan of stockd's built-in default: each line takes its own quantity from the resource
-/// named by its key, all-or-nothing.
+/// named by its key, all-or-nothing, no kind check, no per-user limit, no creation.
 pub fn default_plan(order: &Order) -> Plan {
     let lines = order
         .lines
