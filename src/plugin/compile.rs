@@ -1,6 +1,6 @@
 //! Compiling untrusted components where they cannot hurt the server: in a child process (this
 //! same binary, run as `stockd __compile-plugin`) under an address-space limit, a CPU-time
-//! limit, an output-size limit, a low scheduling priority and a wall-clock deadline. A child
+//! limit, an output-size limit and a wall-clock deadline. A child
 //! that exceeds any of them is killed, and the component is refused as too complex; the server
 //! never allocates what the compiler does. The child writes wasmtime's precompiled artifact to
 //! a private directory, and the server maps it with `Component::deserialize_file`.
@@ -29,9 +29,11 @@ const EXIT_INVALID: u8 = 2;
 const EXIT_FAILED: u8 = 3;
 /// Bytes of a child's stderr kept for the refusal message.
 const MAX_STDERR_BYTES: u64 = 4096;
-/// Scheduling priority of a compile: below the server's request handling, so a compile takes
-/// little CPU from orders. A compile starved of CPU by load is answered `503`, not refused.
-const CHILD_NICE: libc::c_int = 10;
+/// A compile that reached its wall-clock deadline having run for less than this share of it
+/// spent it waiting for a CPU, not compiling: the machine is overloaded (`503`, retry), which
+/// says nothing about the component. The child runs at the server's own priority, so it gets
+/// its fair share; a lower one would starve every compile exactly when the server is busy.
+const STARVED_CPU_SHARE: u32 = 4;
 /// What the refusal of a component that exceeded a compile limit says.
 pub const TOO_COMPLEX: &str = "the component is too complex to compile within limits";
 
@@ -201,7 +203,7 @@ impl Compiler {
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         // SAFETY: the closure runs in the forked child before exec and only makes
-        // async-signal-safe system calls (setrlimit, setpriority, prctl, getppid, kill).
+        // async-signal-safe system calls (setrlimit, prctl, getppid, kill).
         unsafe {
             command.pre_exec(move || {
                 set_limit(libc::RLIMIT_AS, memory_bytes)?;
@@ -209,7 +211,6 @@ impl Compiler {
                 set_limits(libc::RLIMIT_CPU, cpu_seconds, cpu_seconds + 1)?;
                 set_limit(libc::RLIMIT_FSIZE, artifact_bytes)?;
                 set_limit(libc::RLIMIT_CORE, 0)?;
-                libc::setpriority(libc::PRIO_PROCESS, 0, CHILD_NICE);
                 // Dies with the server, even when the server is killed with SIGKILL.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 || libc::getppid() == 1 {
                     libc::kill(libc::getpid(), libc::SIGKILL);
@@ -245,7 +246,7 @@ impl Compiler {
                 // A compile that spent its deadline mostly waiting for a CPU says the machine is
                 // overloaded, not that the component is too complex: retry later.
                 let cpu = pid.and_then(process_cpu_time).unwrap_or(limits.timeout);
-                if cpu < limits.timeout / 2 {
+                if cpu < limits.timeout / STARVED_CPU_SHARE {
                     return Err(CompileError::Unavailable(
                         "the server is too busy to compile the plugin now; try again".into(),
                     ));

@@ -47,9 +47,9 @@ impl Default for PluginLimits {
             max_wasm_bytes: 2 << 20,
             shape: ShapeLimits::default(),
             compile: CompileLimits::default(),
-            // Two children at low priority: uploads never wait long for each other, and
-            // compiling never takes both cores of a small machine from the server.
-            max_concurrent_compiles: 2,
+            // One child at a time: however many tenants upload bombs, compiling takes at most
+            // one core from the server, for at most the compile deadline each.
+            max_concurrent_compiles: 1,
             // A plan takes microseconds and its fuel ~10 ms at most; 100 ms is only reached by
             // work fuel does not count (bulk memory operations) or a machine far overloaded.
             plan_timeout: Duration::from_millis(100),

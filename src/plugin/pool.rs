@@ -109,7 +109,9 @@ impl PlanPool {
             .map_err(|_| PoolError::Exhausted)?;
         let (done, result) = oneshot::channel();
         let job: Job = Box::new(move || {
+            metrics::gauge!("stockd_plan_calls_running").increment(1.0);
             let output = job();
+            metrics::gauge!("stockd_plan_calls_running").decrement(1.0);
             drop(place);
             drop(tenant_place);
             let _ = done.send(output);

@@ -63,14 +63,6 @@ pub fn check_shape(wasm: &[u8], limits: &ShapeLimits) -> Result<Shape, PluginInv
                 limits.max_functions
             )));
         }
-        let body_bytes = body.range().len();
-        shape.largest_body_bytes = shape.largest_body_bytes.max(body_bytes);
-        if body_bytes > limits.max_function_body_bytes {
-            return Err(PluginInvalid::new(format!(
-                "function {function} is {body_bytes} bytes long; the limit is {} bytes per function",
-                limits.max_function_body_bytes
-            )));
-        }
         let mut locals: u64 = 0;
         for declared in body.get_locals_reader().map_err(malformed)? {
             let (count, _) = declared.map_err(malformed)?;
@@ -83,6 +75,14 @@ pub fn check_shape(wasm: &[u8], limits: &ShapeLimits) -> Result<Shape, PluginInv
             }
         }
         shape.most_locals = shape.most_locals.max(locals);
+        let body_bytes = body.range().len();
+        shape.largest_body_bytes = shape.largest_body_bytes.max(body_bytes);
+        if body_bytes > limits.max_function_body_bytes {
+            return Err(PluginInvalid::new(format!(
+                "function {function} has a body of {body_bytes} bytes; the limit is {} bytes per function body",
+                limits.max_function_body_bytes
+            )));
+        }
         let mut depth = 0usize;
         let mut operators = body.get_operators_reader().map_err(malformed)?;
         while !operators.eof() {
@@ -92,7 +92,7 @@ pub fn check_shape(wasm: &[u8], limits: &ShapeLimits) -> Result<Shape, PluginInv
                     shape.deepest_blocks = shape.deepest_blocks.max(depth);
                     if depth > limits.max_block_depth {
                         return Err(PluginInvalid::new(format!(
-                            "function {function} nests blocks more than {} deep (the limit)",
+                            "function {function} nests blocks deeper than the block depth limit of {}",
                             limits.max_block_depth
                         )));
                     }

@@ -31,8 +31,9 @@ use crate::procfs::{self, mib, PeakWatch};
 /// The compile deadline (`compile_timeout_ms`) of the tests where the wall clock must stop a
 /// compile.
 const COMPILE_TIMEOUT_MS: u64 = 3_000;
-/// A compile limit far beyond every deadline below, for tests where another limit must act.
-const FAR_MS: u64 = 120_000;
+/// A compile limit beyond the deadlines below (and under the 30 s request timeout, which every
+/// compile limit must be), for tests where another limit must act.
+const FAR_MS: u64 = 25_000;
 /// Within this a compile bomb must be refused: the 3 s compile deadline plus room for a busy
 /// machine.
 const REFUSAL_DEADLINE: Duration = Duration::from_secs(15);
@@ -612,12 +613,20 @@ async fn assert_other_tenant_gets_503_while_long_calls_run(pool: Settings, long_
     let settings = pool
         .set("fuel_per_call", AMPLE_FUEL)
         .set("plan_wait_ms", 50)
-        .set("plan_timeout_ms", 30_000)
+        .set("plan_timeout_ms", 20_000)
         .far_compile_limits();
     let app = spawn_app_with(settings.app()).await;
     let (slow, shop) = slow_and_other(&app, BURN_3_S).await;
 
     let calls = tokio::spawn(async move { futures::future::join_all((0..long_calls).map(|_| order(&slow))).await });
+    // Only once A's calls hold what they need does B order (else B's first call could take
+    // a place or an instance before A's second call, and A would be the one refused).
+    within(STATE_DEADLINE, "tenant A's calls running", &app, async {
+        while counter(&app, "stockd_plan_calls_running", "").await < long_calls as f64 {
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    })
+    .await;
     let replies = until_unavailable(&app, &shop, &calls).await;
 
     let calls = within(STATE_DEADLINE, "the long calls", &app, calls).await.expect("the calls do not panic");
