@@ -69,7 +69,7 @@ pub struct PluginsConfig {
     /// How long a process trusts its cached view of a tenant's active version; an upload or
     /// activation through another process takes effect here within this time.
     pub cache_ttl_ms: u64,
-    /// Wall-clock deadline of one plan call, besides fuel.
+    /// Time limit of one plan call besides fuel: CPU time it ran (4x on the wall clock at most).
     pub plan_timeout_ms: u64,
     /// Instances alive at once across all plugins (sizes the instance pool).
     pub max_live_instances: u32,

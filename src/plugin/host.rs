@@ -10,7 +10,7 @@
 //! at once.
 //!
 //! Isolation of a call: each instance has its own `Store` (memory capped by [`StoreLimits`],
-//! fuel reset to the budget and a wall-clock deadline set before every call, lifting of the
+//! fuel reset to the budget and a time limit set before every call, lifting of the
 //! result capped at what a legal plan can need). An instance serves at most
 //! [`PluginLimits::calls_per_instance`] calls and is thrown away after any failure, so a trap
 //! or a half-finished call never leaves state behind for the next order.
@@ -18,7 +18,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::{BoxFuture, FutureExt, Shared, WeakShared};
 use sha2::{Digest, Sha256};
@@ -26,7 +26,7 @@ use tokio::sync::Semaphore;
 use wasmtime::component::{types::ComponentItem, Component, Linker};
 use wasmtime::{
     Config, Engine, InstanceAllocationStrategy, OptLevel, PoolingAllocationConfig, ResourceLimiter, Store, StoreLimits,
-    StoreLimitsBuilder, Trap,
+    StoreLimitsBuilder, Trap, UpdateDeadline,
 };
 
 use super::bindings::{Planner, PlannerPre};
@@ -52,7 +52,7 @@ const TABLES_PER_COMPONENT: u32 = 2;
 const MAX_TABLE_ELEMENTS: usize = 10_000;
 /// Characters kept of a wasmtime error message shown to a plugin author.
 const MAX_ERROR_CHARS: usize = 300;
-/// How often the engine's epoch advances: the granularity of the wall-clock deadline.
+/// How often the engine's epoch advances: the granularity of the time limit.
 const EPOCH_TICK: Duration = Duration::from_millis(5);
 /// Bytes of lifted result one planned line may need at most: a line record, 8 targets of a
 /// 200-byte key and 1,024 bucket indexes each, and a 200-byte limit key (rounded up).
@@ -91,7 +91,7 @@ pub(crate) fn engine_config(max_memory_bytes: usize, pool_slots: u32) -> Config 
         // Fuel bounds a call's work deterministically (same plugin, same input, same
         // verdict); `fuel_per_call` is the budget.
         .consume_fuel(true)
-        // And a wall-clock deadline, since fuel does not bound everything: a bulk memory
+        // And a time limit, since fuel does not bound everything: a bulk memory
         // operation costs one unit of fuel whatever its length. Checked at function entries
         // and loop headers; a ticker thread advances the epoch every `EPOCH_TICK`.
         .epoch_interruption(true)
@@ -128,7 +128,7 @@ pub struct PluginHost {
     compile_slots: Arc<Semaphore>,
     /// Tenants with a compile of their own in progress: one each at a time.
     compiling_tenants: Arc<Mutex<HashMap<TenantId, usize>>>,
-    /// The wall-clock deadline of one call, in epoch ticks.
+    /// The first check of a call's time limit, in epoch ticks (`deadline_reached`).
     deadline_ticks: u64,
 }
 
@@ -201,6 +201,12 @@ struct LiveInstance {
 struct CallState {
     limits: StoreLimits,
     memory_cap_hit: bool,
+    /// The current call's CPU budget (`plan_timeout`), when it started on the wall clock and
+    /// on this thread's CPU clock, and whether it was stopped for waiting, not running.
+    plan_timeout: Duration,
+    call_started: Instant,
+    cpu_at_start: Duration,
+    starved: bool,
 }
 
 /// Instances alive across all plugins, so the pooling allocator's slots are never overdrawn
@@ -495,6 +501,29 @@ impl Drop for TenantCompile {
     }
 }
 
+/// How many times `plan_timeout` a call may take on the wall clock while the machine is too
+/// busy to give it `plan_timeout` of CPU; then it is stopped as starved (`503`).
+const STARVED_WALL_FACTOR: u32 = 4;
+
+/// Called when a call's epoch deadline passes (every `plan_timeout` of wall clock at first).
+/// The limit is on CPU time: a plugin that has run for `plan_timeout` on its thread is stopped
+/// as too slow, deterministically, however busy the machine; one that has run for less, because
+/// it was waiting for a CPU, gets the rest, up to `STARVED_WALL_FACTOR` times the limit of
+/// wall clock, and is then stopped as starved.
+fn deadline_reached(mut context: wasmtime::StoreContextMut<'_, CallState>) -> wasmtime::Result<UpdateDeadline> {
+    let state = context.data_mut();
+    let cpu = thread_cpu_time().saturating_sub(state.cpu_at_start);
+    if cpu >= state.plan_timeout {
+        return Ok(UpdateDeadline::Interrupt);
+    }
+    if state.call_started.elapsed() >= state.plan_timeout.saturating_mul(STARVED_WALL_FACTOR) {
+        state.starved = true;
+        return Ok(UpdateDeadline::Interrupt);
+    }
+    let left = state.plan_timeout - cpu;
+    Ok(UpdateDeadline::Continue(u64::try_from(left.as_nanos().div_ceil(EPOCH_TICK.as_nanos())).unwrap_or(1).max(1)))
+}
+
 /// CPU time this thread has used so far.
 fn thread_cpu_time() -> Duration {
     let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -554,26 +583,13 @@ impl LoadedPlugin {
         // into hundreds of MiB here.
         instance.store.set_hostcall_fuel(LIFT_BYTES_BASE + input.order.lines.len() * LIFT_BYTES_PER_LINE);
         instance.calls += 1;
-        let cpu_before = thread_cpu_time();
         // On any failure below the instance is dropped, never returned to the pool.
         let called = instance.planner.call_plan(&mut instance.store, &order, &context);
         cost.fuel_used = self.limits.fuel_per_call.saturating_sub(instance.store.get_fuel().unwrap_or(0));
         let plan = match called {
             Ok(Ok(plan)) => plan,
             Ok(Err(reason)) => return (Err(PluginFailed::Refused(convert::bounded_reason(&reason))), cost),
-            Err(error) => {
-                let failed = match self.classify(&error, instance.store.data()) {
-                    // A deadline the plugin spent mostly waiting for a CPU, not running on one,
-                    // says the machine is overloaded, not that the plugin is slow: retry.
-                    PluginFailed::TimedOut { .. }
-                        if thread_cpu_time().saturating_sub(cpu_before) < self.limits.plan_timeout / 2 =>
-                    {
-                        PluginFailed::Unavailable("the server was too busy to finish the plan in time; retry".into())
-                    }
-                    failed => failed,
-                };
-                return (Err(failed), cost);
-            }
+            Err(error) => return (Err(self.classify(&error, instance.store.data())), cost),
         };
         let plan = match convert::from_wit(plan, input.order.lines.len()) {
             Ok(plan) => plan,
@@ -599,17 +615,25 @@ impl LoadedPlugin {
                 .trap_on_grow_failure(true)
                 .build(),
             memory_cap_hit: false,
+            plan_timeout: self.limits.plan_timeout,
+            call_started: Instant::now(),
+            cpu_at_start: Duration::ZERO,
+            starved: false,
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|state| state);
+        store.epoch_deadline_callback(deadline_reached);
         self.refuel(&mut store)?;
         let planner = self.pre.instantiate(&mut store).map_err(|error| self.classify(&error, store.data()))?;
         Ok(LiveInstance { store, planner, calls: 0, _slot: slot })
     }
 
-    /// A full fuel budget and a fresh wall-clock deadline, before every call.
+    /// A full fuel budget and a fresh deadline, before every call.
     fn refuel(&self, store: &mut Store<CallState>) -> Result<(), PluginFailed> {
-        store.epoch_deadline_trap();
+        let state = store.data_mut();
+        state.call_started = Instant::now();
+        state.cpu_at_start = thread_cpu_time();
+        state.starved = false;
         store.set_epoch_deadline(self.deadline_ticks);
         // Fails only if the engine had fuel disabled, which `engine_config` never does.
         store
@@ -648,6 +672,10 @@ impl LoadedPlugin {
         }
         match error.downcast_ref::<Trap>() {
             Some(Trap::OutOfFuel) => PluginFailed::OutOfFuel { fuel: self.limits.fuel_per_call },
+            // Waiting for a CPU, not running: the machine is overloaded, retry.
+            Some(Trap::Interrupt) if state.starved => {
+                PluginFailed::Unavailable("the server was too busy to finish the plan in time; retry".into())
+            }
             Some(Trap::Interrupt) => PluginFailed::TimedOut {
                 limit_ms: u64::try_from(self.limits.plan_timeout.as_millis()).unwrap_or(u64::MAX),
             },

@@ -20,7 +20,8 @@ pub struct PluginLimits {
     pub compile: CompileLimits,
     /// Compiles running at once in this process.
     pub max_concurrent_compiles: usize,
-    /// Wall-clock deadline of one plan call (and of an instantiation), besides fuel.
+    /// Time limit of one plan call (and of an instantiation), besides fuel: CPU time, with a
+    /// wall-clock backstop of a few times it for a starved call.
     pub plan_timeout: Duration,
     /// Fuel one `plan` call may burn (about one unit per WebAssembly instruction). A fresh
     /// instance gets the same budget again for its instantiation.

@@ -447,7 +447,7 @@ fn the_benchs_fuel_burner_burns_between_80_and_100_percent_of_the_default_budget
     assert_eq!(resources(&planned.lines[0]), vec!["sku-0"]);
 
     let tight = PluginLimits { fuel_per_call: default_fuel / 10 * 8, ..PluginLimits::default() };
-    let tight_host = PluginHost::new(tight).unwrap_or_else(|e| panic!("{e:#}"));
+    let tight_host = new_host(tight);
     let failure = failed(plan_with(&load(&tight_host, "hostile-fuel-burner"), &order_of(1), config, NOW_MS));
     assert_eq!(failure, PluginFailed::OutOfFuel { fuel: default_fuel / 10 * 8 });
 }
