@@ -385,6 +385,12 @@ fn check_prints_plans_and_fails_only_on_misbehaviour() {
     let (result, out) = run("flash-sale", samples);
     assert!(result.is_ok(), "{result:?}\n{out}");
     assert!(out.contains("flash-sale: valid stockd plugin"), "{out}");
+    // What an author tunes by: the component's shape against the limits, and each plan's fuel
+    // against the budget (flash-sale's 2-line sample plan burns ~12,000 of 10 million).
+    assert!(out.contains("shape: ") && out.contains("functions (limit 20000)"), "{out}");
+    let fuel_lines: Vec<&str> = out.lines().filter(|l| l.trim_start().starts_with("fuel: ")).collect();
+    assert_eq!(fuel_lines.len(), 2, "one fuel line per order: {out}");
+    assert!(fuel_lines.iter().all(|l| l.contains(" of 10000000 (")), "{out}");
     assert!(out.contains("\"flash:sku-1:u-42\""), "{out}");
     assert!(out.contains("order sample-without-user (1 line): refused:"), "{out}");
 
