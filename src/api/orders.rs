@@ -13,7 +13,7 @@ use super::{idempotent_response, SharedState};
 use crate::engine::order::OrderBody;
 use crate::engine::{LineResult, OrderDocument, OrderRequest, OrderStatus, Plan, TenantId};
 use crate::plugin::PlanFailure;
-use crate::storage::OrderJob;
+use crate::storage::{IdempotencyRequest, OrderJob};
 use crate::time::now_ms;
 
 pub fn routes() -> Router<SharedState> {
@@ -37,6 +37,25 @@ async fn plan(state: &SharedState, tenant: &TenantId, order: &OrderRequest, now_
         PlanFailure::Unavailable(why) => ApiError::unavailable(&why),
         PlanFailure::Storage(err) => err.into(),
     })
+}
+
+/// The stored answer to this key if the key was answered before, else `refusal`. Whatever
+/// refuses an order now (a lowered `orders.max_lines`, another plugin version, a plugin that
+/// refuses, a busy plan pool) must not change the answer to a retry of an order that was
+/// answered: the first outcome stands, byte for byte. Asked only on the way out of a refusal,
+/// so a fresh order pays no extra read; an order that goes on to storage is judged against its
+/// key inside the commit, as ever.
+async fn replayed_or(
+    state: &SharedState,
+    tenant: &TenantId,
+    idempotency: &IdempotencyRequest,
+    refusal: ApiError,
+) -> Result<Response, ApiError> {
+    match state.storage.stored_outcome(tenant, idempotency).await {
+        Ok(Some(previous)) => Ok(idempotent_response(previous)),
+        // No record, or storage cannot say: the refusal is the answer.
+        Ok(None) | Err(_) => Err(refusal),
+    }
 }
 
 fn record_outcome(status: OrderStatus, lines: &[LineResult]) {
@@ -76,13 +95,21 @@ pub async fn create_order(
     body: ValidJson<OrderBody>,
 ) -> Result<Response, ApiError> {
     let idempotency = body.idempotency(key);
-    let order = validate(&state, body.value)?;
+    let order = match validate(&state, body.value) {
+        Ok(order) => order,
+        Err(refusal) => return replayed_or(&state, &auth.tenant, &idempotency, refusal).await,
+    };
     let now = now_ms();
-    let plan = plan(&state, &auth.tenant, &order, now).await?;
+    let plan = match plan(&state, &auth.tenant, &order, now).await {
+        Ok(plan) => plan,
+        Err(refusal) => return replayed_or(&state, &auth.tenant, &idempotency, refusal).await,
+    };
     let ttl_seconds = order.ttl_seconds.unwrap_or(state.settings.default_ttl_seconds);
     let job = OrderJob { tenant: auth.tenant, idempotency, order, plan, ttl_ms: ttl_seconds.saturating_mul(1000) };
-    if let Some(answered) = super::hot::order(&state, &job).await? {
-        return Ok(answered);
+    match super::hot::order(&state, &job).await {
+        Ok(Some(answered)) => return Ok(answered),
+        Ok(None) => {}
+        Err(refusal) => return replayed_or(&state, &job.tenant, &job.idempotency, refusal).await,
     }
     let executed = state.storage.execute_order(job, now).await?;
     if let Some((status, lines)) = &executed.outcome {

@@ -310,6 +310,13 @@ impl TestApp {
         Some(status.expect("waiting on our own child works"))
     }
 
+    /// Replaces the extra configuration (as `AppOptions::toml` gave it); takes effect at the
+    /// next `restart`.
+    pub fn rewrite_config(&self, extra_toml: &str) {
+        let config = format!("# Rewritten by tests/api/helpers.rs.\n{extra_toml}\n");
+        std::fs::write(&self.config_path, config).expect("the config file can be rewritten");
+    }
+
     /// Start the server again on the same directory and database (new port). A process still
     /// running is SIGKILL'd first.
     pub async fn restart(&mut self) {

@@ -25,6 +25,7 @@ mod procfs;
 mod rate_limits;
 mod redis_mode;
 mod redis_support;
+mod replays;
 mod reservations;
 mod resources;
 mod tenants;
