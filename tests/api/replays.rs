@@ -26,16 +26,7 @@ async fn answered_order(shop: &TenantClient) -> (serde_json::Value, Reply) {
 /// (a new active version). The retry answers the first 201, byte for byte, and applies nothing.
 #[tokio::test]
 async fn a_replay_after_a_plugin_version_change_returns_the_first_answer() {
-    let app = spawn_app().await;
-    let shop = app.create_tenant("shop").await;
-    let (body, first) = answered_order(&shop).await;
-
-    shop.put_plugin(plugin_wasm("hostile-trap")).await.expect_json(201);
-    let fresh = shop.order("order-2", &deduct("order-2", &[("sku-1", 1)])).await;
-    assert_eq!(fresh.status(), 422, "a new order meets the new plugin: {}", fresh.text);
-
-    assert_same_answer(&first, &shop.order("order-1", &body).await);
-    assert_counts(&shop.state("sku-1").await, 97, 0, 3, 100);
+    assert_replay_outlives_plugin("hostile-trap").await;
 }
 
 /// Proves a replay is not refused by a plugin that now refuses the order: the flash-sale
@@ -43,13 +34,20 @@ async fn a_replay_after_a_plugin_version_change_returns_the_first_answer() {
 /// the first 201; a new order without a user is refused (422 plugin_failed).
 #[tokio::test]
 async fn a_replay_after_the_plugin_starts_refusing_returns_the_first_answer() {
+    assert_replay_outlives_plugin("flash-sale").await;
+}
+
+/// Answers an order under the built-in plan, activates `plugin` (which fails or refuses every
+/// order without a user), and checks a new such order is refused (422) while the retry gets the
+/// first answer and applies nothing more.
+async fn assert_replay_outlives_plugin(plugin: &str) {
     let app = spawn_app().await;
     let shop = app.create_tenant("shop").await;
     let (body, first) = answered_order(&shop).await;
 
-    shop.put_plugin(plugin_wasm("flash-sale")).await.expect_json(201);
-    let refused = shop.order("order-2", &deduct("order-2", &[("sku-1", 1)])).await;
-    assert_eq!(refused.status(), 422, "a new order without a user is refused: {}", refused.text);
+    shop.put_plugin(plugin_wasm(plugin)).await.expect_json(201);
+    let fresh = shop.order("order-2", &deduct("order-2", &[("sku-1", 1)])).await;
+    assert_eq!(fresh.status(), 422, "a new order meets {plugin}: {}", fresh.text);
 
     assert_same_answer(&first, &shop.order("order-1", &body).await);
     assert_counts(&shop.state("sku-1").await, 97, 0, 3, 100);
