@@ -155,19 +155,12 @@ impl PluginsConfig {
 
     /// The plan pool's size and shares; zeros pick this machine's defaults.
     pub fn pool(&self) -> crate::plugin::PoolSettings {
-        let auto = crate::plugin::PoolSettings::for_this_machine();
-        let threads = if self.plan_threads == 0 { auto.threads } else { self.plan_threads };
-        let per_tenant = if self.max_concurrent_plans_per_tenant == 0 {
-            (threads / 2).max(1)
-        } else {
-            self.max_concurrent_plans_per_tenant
-        };
-        crate::plugin::PoolSettings {
-            threads,
-            per_tenant,
-            wait: Duration::from_millis(self.plan_wait_ms),
-            nice: self.plan_thread_nice,
-        }
+        crate::plugin::PoolSettings::resolve(
+            self.plan_threads,
+            self.max_concurrent_plans_per_tenant,
+            Duration::from_millis(self.plan_wait_ms),
+            self.plan_thread_nice,
+        )
     }
 }
 

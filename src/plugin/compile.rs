@@ -18,7 +18,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
-use super::model::PluginInvalid;
+use super::model::{LoadError, PluginInvalid};
 
 /// The hidden first argument that makes `stockd` a compiler child instead of the CLI.
 pub const CHILD_ARG: &str = "__compile-plugin";
@@ -63,18 +63,6 @@ impl Default for CompileLimits {
             artifact_bytes: 64 << 20,
         }
     }
-}
-
-/// Why a compile produced no artifact.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum CompileError {
-    /// The component is invalid or exceeded a limit: `422 plugin_invalid`.
-    #[error(transparent)]
-    Invalid(#[from] PluginInvalid),
-    /// The server could not compile right now (shutting down, no child could be started):
-    /// retry later, `503`.
-    #[error("{0}")]
-    Unavailable(String),
 }
 
 /// A compiled artifact on disk, removed when dropped (a mapping of it stays valid).
@@ -158,10 +146,10 @@ impl Compiler {
 
     /// Compiles `wasm` into an artifact the host's engine can load. Cancel-safe: dropping the
     /// future kills the child.
-    pub async fn compile(&self, wasm: &[u8]) -> Result<Artifact, CompileError> {
+    pub async fn compile(&self, wasm: &[u8]) -> Result<Artifact, LoadError> {
         let mut stop = self.stop.subscribe();
         if *stop.borrow_and_update() {
-            return Err(CompileError::Unavailable("the server is shutting down".into()));
+            return Err(LoadError::Unavailable("the server is shutting down".into()));
         }
         let n = self.next_file.fetch_add(1, Ordering::Relaxed);
         let artifact = Artifact { path: self.dir.path().join(format!("{n}.cwasm")) };
@@ -169,24 +157,24 @@ impl Compiler {
             Isolation::Child { program } => {
                 let outcome = tokio::select! {
                     outcome = self.run_child(program, wasm, artifact.path()) => outcome,
-                    _ = stop.changed() => Err(CompileError::Unavailable("the server is shutting down".into())),
+                    _ = stop.changed() => Err(LoadError::Unavailable("the server is shutting down".into())),
                 };
                 outcome?;
             }
             #[cfg(test)]
             Isolation::InProcess => {
                 let engine = wasmtime::Engine::new(&super::host::engine_config(self.engine_memory_bytes, 1))
-                    .map_err(|e| CompileError::Unavailable(format!("plugin engine: {e}")))?;
+                    .map_err(|e| LoadError::Unavailable(format!("plugin engine: {e}")))?;
                 let bytes = engine.precompile_component(wasm).map_err(|e| {
                     PluginInvalid::new(format!("the component does not compile: {}", super::host::short_error(&e)))
                 })?;
-                std::fs::write(artifact.path(), bytes).map_err(|e| CompileError::Unavailable(e.to_string()))?;
+                std::fs::write(artifact.path(), bytes).map_err(|e| LoadError::Unavailable(e.to_string()))?;
             }
         }
         Ok(artifact)
     }
 
-    async fn run_child(&self, program: &Path, wasm: &[u8], out: &Path) -> Result<(), CompileError> {
+    async fn run_child(&self, program: &Path, wasm: &[u8], out: &Path) -> Result<(), LoadError> {
         let limits = &self.limits;
         let memory_bytes = limits.memory_bytes as libc::rlim_t;
         let cpu_seconds = limits.cpu.as_millis().div_ceil(1000).max(1) as libc::rlim_t;
@@ -218,9 +206,8 @@ impl Compiler {
                 Ok(())
             });
         }
-        let mut child = command
-            .spawn()
-            .map_err(|e| CompileError::Unavailable(format!("could not start the plugin compiler: {e}")))?;
+        let mut child =
+            command.spawn().map_err(|e| LoadError::Unavailable(format!("could not start the plugin compiler: {e}")))?;
         metrics::gauge!("stockd_plugin_compiles_running").increment(1.0);
         let _running = scopeguard(|| metrics::gauge!("stockd_plugin_compiles_running").decrement(1.0));
 
@@ -247,14 +234,14 @@ impl Compiler {
                 // overloaded, not that the component is too complex: retry later.
                 let cpu = pid.and_then(process_cpu_time).unwrap_or(limits.timeout);
                 if cpu < limits.timeout / STARVED_CPU_SHARE {
-                    return Err(CompileError::Unavailable(
+                    return Err(LoadError::Unavailable(
                         "the server is too busy to compile the plugin now; try again".into(),
                     ));
                 }
                 return Err(too_complex(format!("it did not compile within {} ms", limits.timeout.as_millis())));
             }
         };
-        let status = status.map_err(|e| CompileError::Unavailable(format!("waiting for the plugin compiler: {e}")))?;
+        let status = status.map_err(|e| LoadError::Unavailable(format!("waiting for the plugin compiler: {e}")))?;
         let message = String::from_utf8_lossy(&message).trim().to_string();
         use std::os::unix::process::ExitStatusExt;
         match (status.code(), status.signal()) {
@@ -264,7 +251,7 @@ impl Compiler {
             }
             (Some(code), _) if code == i32::from(EXIT_FAILED) => {
                 tracing::error!(%message, "the plugin compiler failed");
-                Err(CompileError::Unavailable("the plugin compiler failed; try again".into()))
+                Err(LoadError::Unavailable("the plugin compiler failed; try again".into()))
             }
             // Killed by a limit (SIGKILL, SIGXCPU, SIGXFSZ), or aborted on a failed allocation
             // under the address-space limit (SIGABRT, or an allocation-failure exit).
@@ -275,9 +262,9 @@ impl Compiler {
     }
 }
 
-fn too_complex(why: String) -> CompileError {
+fn too_complex(why: String) -> LoadError {
     metrics::counter!("stockd_plugin_compile_limit_hits_total").increment(1);
-    CompileError::Invalid(PluginInvalid::new(format!("{TOO_COMPLEX}: {why}")))
+    LoadError::Invalid(PluginInvalid::new(format!("{TOO_COMPLEX}: {why}")))
 }
 
 fn signal_name(signal: i32) -> &'static str {

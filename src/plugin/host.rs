@@ -15,7 +15,7 @@
 //! [`PluginLimits::calls_per_instance`] calls and is thrown away after any failure, so a trap
 //! or a half-finished call never leaves state behind for the next order.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -30,10 +30,10 @@ use wasmtime::{
 };
 
 use super::bindings::{Planner, PlannerPre};
-use super::compile::{CompileError, Compiler};
+use super::compile::Compiler;
 use super::convert;
 use super::limits::{PluginLimits, MAX_BUCKETS, MAX_TARGETS_PER_LINE};
-use super::model::{PlanInput, PluginFailed, PluginInvalid, PluginPlan};
+use super::model::{LoadError, PlanInput, PluginFailed, PluginInvalid, PluginPlan};
 use super::precheck::{check_shape, Shape};
 use crate::engine::TenantId;
 
@@ -127,35 +127,12 @@ pub struct PluginHost {
     in_flight: Mutex<HashMap<[u8; 32], WeakShared<LoadFuture>>>,
     compile_slots: Arc<Semaphore>,
     /// Tenants with a compile of their own in progress: one each at a time.
-    compiling_tenants: Arc<Mutex<HashMap<TenantId, usize>>>,
+    compiling_tenants: Arc<Mutex<HashSet<TenantId>>>,
     /// The first check of a call's time limit, in epoch ticks (`deadline_reached`).
     deadline_ticks: u64,
 }
 
 type LoadFuture = BoxFuture<'static, Result<PlannerPre<CallState>, LoadError>>;
-
-/// Why a component could not be loaded.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum LoadError {
-    /// The component is invalid or exceeds a limit: `422 plugin_invalid`.
-    #[error(transparent)]
-    Invalid(#[from] PluginInvalid),
-    /// This tenant already has a compile in progress: `429`, retry when it is done.
-    #[error("{0}")]
-    Busy(String),
-    /// The server cannot compile right now: `503`, retry later.
-    #[error("{0}")]
-    Unavailable(String),
-}
-
-impl From<CompileError> for LoadError {
-    fn from(error: CompileError) -> Self {
-        match error {
-            CompileError::Invalid(invalid) => LoadError::Invalid(invalid),
-            CompileError::Unavailable(why) => LoadError::Unavailable(why),
-        }
-    }
-}
 
 /// Compiled plugins by sha256, oldest first for eviction. Only the compiled, pre-linked code is
 /// shared: every `load` gets its own instance pool, so two tenants uploading the same bytes
@@ -370,9 +347,9 @@ impl PluginHost {
         let artifact = match self.compiler.compile(wasm).await {
             Ok(artifact) => artifact,
             Err(error) => {
-                let result = if matches!(error, CompileError::Invalid(_)) { "refused" } else { "unavailable" };
+                let result = if matches!(error, LoadError::Invalid(_)) { "refused" } else { "unavailable" };
                 metrics::counter!("stockd_plugin_compiles_total", "result" => result).increment(1);
-                return Err(error.into());
+                return Err(error);
             }
         };
         metrics::counter!("stockd_plugin_compiles_total", "result" => "ok").increment(1);
@@ -472,32 +449,21 @@ impl PluginHost {
 
 /// A tenant's one compile in progress; frees the tenant's place when dropped.
 struct TenantCompile {
-    tenants: Arc<Mutex<HashMap<TenantId, usize>>>,
+    tenants: Arc<Mutex<HashSet<TenantId>>>,
     tenant: TenantId,
 }
 
 impl TenantCompile {
     /// Takes the tenant's place, or `None` when the tenant already has a compile running.
-    fn start(tenants: &Arc<Mutex<HashMap<TenantId, usize>>>, tenant: &TenantId) -> Option<TenantCompile> {
-        let mut running = tenants.lock().unwrap_or_else(PoisonError::into_inner);
-        let count = running.entry(tenant.clone()).or_insert(0);
-        if *count >= 1 {
-            return None;
-        }
-        *count += 1;
-        Some(TenantCompile { tenants: Arc::clone(tenants), tenant: tenant.clone() })
+    fn start(tenants: &Arc<Mutex<HashSet<TenantId>>>, tenant: &TenantId) -> Option<TenantCompile> {
+        let fresh = tenants.lock().unwrap_or_else(PoisonError::into_inner).insert(tenant.clone());
+        fresh.then(|| TenantCompile { tenants: Arc::clone(tenants), tenant: tenant.clone() })
     }
 }
 
 impl Drop for TenantCompile {
     fn drop(&mut self) {
-        let mut running = self.tenants.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(count) = running.get_mut(&self.tenant) {
-            *count = count.saturating_sub(1);
-            if *count == 0 {
-                running.remove(&self.tenant);
-            }
-        }
+        self.tenants.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.tenant);
     }
 }
 

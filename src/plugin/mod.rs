@@ -30,10 +30,10 @@ mod tests;
 
 pub use check::check;
 pub use compile::CompileLimits;
-pub use host::{CallCost, LoadError, LoadedPlugin, PluginHost};
+pub use host::{CallCost, LoadedPlugin, PluginHost};
 pub use limits::PluginLimits;
 pub use model::{
-    PlanInput, PluginFailed, PluginInvalid, PluginLine, PluginPlan, PluginPolicy, PluginTarget, UserLimit,
+    LoadError, PlanInput, PluginFailed, PluginInvalid, PluginLine, PluginPlan, PluginPolicy, PluginTarget, UserLimit,
 };
 pub use pool::{PlanPool, PoolError, PoolSettings};
 pub use precheck::{Shape, ShapeLimits};

@@ -99,6 +99,21 @@ impl PluginInvalid {
     }
 }
 
+/// Why a component could not be loaded (compiled and checked).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LoadError {
+    /// The component is invalid or exceeds a limit: `422 plugin_invalid`.
+    #[error(transparent)]
+    Invalid(#[from] PluginInvalid),
+    /// This tenant already has a compile in progress: `429`, retry when it is done.
+    #[error("{0}")]
+    Busy(String),
+    /// The server cannot compile right now (busy, shutting down, no child could be started):
+    /// `503`, retry later.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
 /// Why one plan call failed (`422 plugin_failed`). Only that request fails; nothing of the
 /// plugin's state survives it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

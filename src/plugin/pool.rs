@@ -40,10 +40,13 @@ pub struct PoolSettings {
 }
 
 impl PoolSettings {
-    /// Defaults for this machine: a thread per core (at least two), half of them per tenant.
-    pub fn for_this_machine() -> PoolSettings {
-        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
-        PoolSettings { threads, per_tenant: (threads / 2).max(1), wait: Duration::from_millis(1000), nice: 0 }
+    /// The settings, where 0 `threads` means one per core (at least two) and 0 `per_tenant`
+    /// half of the threads (at least one).
+    pub fn resolve(threads: usize, per_tenant: usize, wait: Duration, nice: i32) -> PoolSettings {
+        let threads =
+            if threads == 0 { std::thread::available_parallelism().map_or(2, |n| n.get()).max(2) } else { threads };
+        let per_tenant = if per_tenant == 0 { (threads / 2).max(1) } else { per_tenant };
+        PoolSettings { threads, per_tenant, wait, nice }
     }
 }
 
@@ -56,6 +59,16 @@ pub enum PoolError {
     /// Every place of the pool is taken (`503`).
     #[error("every plugin thread is busy; retry shortly")]
     Exhausted,
+}
+
+impl PoolError {
+    /// A stable, low-cardinality name for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PoolError::TenantBusy => "tenant_busy",
+            PoolError::Exhausted => "exhausted",
+        }
+    }
 }
 
 /// The pool. One per process.
@@ -84,10 +97,6 @@ impl PlanPool {
                 .map_err(|e| anyhow::anyhow!("starting plan thread {n}: {e}"))?;
         }
         Ok(PlanPool { jobs, places: Arc::new(Semaphore::new(settings.threads)), tenants: Mutex::default(), settings })
-    }
-
-    pub fn settings(&self) -> &PoolSettings {
-        &self.settings
     }
 
     /// Runs `job` for `tenant` on a pool thread and returns its result. If the caller goes

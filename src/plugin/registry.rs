@@ -134,8 +134,7 @@ impl Registry {
                     })
                     .await
                     .map_err(|e| {
-                        metrics::counter!("stockd_plan_pool_refusals_total", "kind" => pool_refusal_kind(&e))
-                            .increment(1);
+                        metrics::counter!("stockd_plan_pool_refusals_total", "kind" => e.kind()).increment(1);
                         match e {
                             PoolError::TenantBusy => PlanFailure::TenantBusy(e.to_string()),
                             PoolError::Exhausted => PlanFailure::Unavailable(e.to_string()),
@@ -151,13 +150,6 @@ impl Registry {
                 to_plan(planned, version, order.lines.len()).map_err(|e| PlanFailure::Plugin(e.0))
             }
         }
-    }
-}
-
-fn pool_refusal_kind(error: &PoolError) -> &'static str {
-    match error {
-        PoolError::TenantBusy => "tenant_busy",
-        PoolError::Exhausted => "exhausted",
     }
 }
 
