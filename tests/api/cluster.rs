@@ -1,17 +1,20 @@
 //! Several stateless stockd processes on one database, clients spread across them: the
-//! promises hold across processes because the database decides, not in-process locks.
+//! promises hold across processes because the database decides, not in-process locks. One
+//! process's refusal of one order must not fail the others it commits with.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
-use serde_json::Value;
+use serde_json::{json, Value};
 use tokio::sync::Barrier;
 
 use crate::helpers::{
-    assert_counts, deduct, entries_with_op, reserve, spawn_app_with, try_send, AppOptions, Reply, TenantClient, TestApp,
+    assert_counts, deduct, entries_with_op, reserve, spawn_app_with, try_send, unique, AppOptions, Reply, TenantClient,
+    TestApp,
 };
+use crate::redis_support::{deduct_one, redis_app, shared_redis_url};
 
 const FAST_SWEEP: &str = "[reservations]\nsweep_interval_ms = 200";
 /// How long reservations may take to expire with three sweepers running.
@@ -240,4 +243,102 @@ async fn killing_one_process_leaves_the_others_serving_and_loses_nothing() {
     let state = shops[1].state("sku-1").await;
     assert_eq!(state["consumed"], Value::from(in_ledger.len() as i64));
     shops[0].assert_reconciliation_clean(1).await;
+}
+
+/// db-mode resources of tenant X in the group-commit test, each with this stock.
+const X_KEYS: [&str; 5] = ["x-0", "x-1", "x-2", "x-3", "x-4"];
+const X_STOCK: i64 = 1_000;
+/// Clients sending tenant R's refused orders in a loop during X's burst.
+const R_LOOPERS: usize = 4;
+/// How long the first of R's refused orders may take to be answered.
+const R_FIRST_ANSWER_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Proves one order's "retry later" answer does not fail the other orders of its group
+/// commit. Two processes share the database, one with `[redis]`, one without; tenant R's
+/// `hot` is switched to redis mode through the first. Through the process without Redis, which
+/// takes `hot` for a db-mode resource, R's orders on `hot` reach the database path, whose guard
+/// refuses them (the database copy Redis was warmed from is never sold); meanwhile 50
+/// concurrent orders of tenant X on db-mode resources go through the same process, so they
+/// share batches with R's (R's are sent in a loop from before X's burst until all of X's are
+/// answered). Every one of X's orders is 201 and X's stock drops by exactly what they bought;
+/// nothing is taken from R's database copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_order_does_not_fail_the_other_orders_of_its_batch() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
+    let plain = app.spawn_sibling_with(AppOptions::default()).await;
+    let r = app.create_tenant("r").await;
+    let x = app.create_tenant("x").await;
+    r.create_resource("hot", 100).await;
+    let switched = r.patch("/v1/resources/hot", &json!({"mode": "redis"})).await.expect_json(200);
+    assert_eq!(switched["mode"], "redis", "{switched}");
+    for key in X_KEYS {
+        x.create_resource(key, X_STOCK).await;
+    }
+    let r_plain = plain.tenant_with_key(&r.id, &r.api_key);
+    let x_plain = plain.tenant_with_key(&x.id, &x.api_key);
+
+    // R's orders, in a loop on several clients until X's burst is answered.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (answered_tx, mut answered_rx) = tokio::sync::watch::channel(0usize);
+    let answered_tx = Arc::new(answered_tx);
+    let loopers: Vec<_> = (0..R_LOOPERS)
+        .map(|_| {
+            let (shop, stop, answered) = (r_plain.clone(), stop.clone(), answered_tx.clone());
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let key = unique("r");
+                    let reply = shop.order(&key, &deduct_one(&key, "hot", 1, None)).await;
+                    statuses.push(reply.status());
+                    answered.send_modify(|n| *n += 1);
+                }
+                statuses
+            })
+        })
+        .collect();
+    tokio::time::timeout(R_FIRST_ANSWER_DEADLINE, answered_rx.wait_for(|n| *n > 0))
+        .await
+        .expect("the first of R's orders is answered")
+        .expect("the loopers hold the sender");
+
+    let barrier = Arc::new(Barrier::new(50));
+    let burst = (0..50).map(|i| {
+        let (shop, barrier) = (x_plain.clone(), barrier.clone());
+        let (key, qty) = (X_KEYS[i % X_KEYS.len()], 1 + (i as i64 % 3));
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let idempotency_key = format!("x-{i}");
+            let reply = shop.order(&idempotency_key, &deduct_one(&idempotency_key, key, qty, None)).await;
+            (key, qty, reply)
+        })
+    });
+    let replies: Vec<(&str, i64, Reply)> =
+        join_all(burst).await.into_iter().map(|r| r.expect("client task does not panic")).collect();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let r_statuses: Vec<u16> =
+        join_all(loopers).await.into_iter().flat_map(|r| r.expect("looper task does not panic")).collect();
+
+    let mut failed: HashMap<String, usize> = HashMap::new();
+    for (.., reply) in replies.iter().filter(|(.., r)| r.status() != 201) {
+        *failed.entry(format!("{} {}", reply.status, reply.text)).or_default() += 1;
+    }
+    let r_answers: HashSet<u16> = r_statuses.iter().copied().collect();
+    assert!(
+        failed.is_empty(),
+        "{} of X's 50 orders failed beside R's {} refused orders (answered {r_answers:?}); X's answers: {failed:?}",
+        failed.values().sum::<usize>(),
+        r_statuses.len(),
+    );
+    for key in X_KEYS {
+        let bought: i64 = replies.iter().filter(|(k, ..)| *k == key).map(|(_, qty, _)| qty).sum();
+        assert_counts(&x.state(key).await, X_STOCK - bought, 0, bought, X_STOCK);
+        let ledger = x_plain.assert_ledger_replays_to_state(key).await;
+        assert_eq!(entries_with_op(&ledger, "deduct").len(), replies.iter().filter(|(k, ..)| *k == key).count());
+    }
+    x.assert_reconciliation_clean(X_KEYS.len() as u64).await;
+
+    assert_counts(&r_plain.state("hot").await, 100, 0, 0, 100);
+    let ledger = r_plain.assert_ledger_replays_to_state("hot").await;
+    assert!(entries_with_op(&ledger, "deduct").is_empty(), "nothing taken from R's database copy: {ledger:?}");
+    drop(plain);
 }

@@ -371,6 +371,34 @@ impl TestApp {
         sibling
     }
 
+    /// Another server process on the same database, like `spawn_sibling`, but configured by
+    /// `opts` alone instead of this process's config (e.g. one process with `[redis]` and one
+    /// without, as during a rolling change of configuration).
+    pub async fn spawn_sibling_with(&self, opts: AppOptions) -> TestApp {
+        let dir = tempfile::tempdir().expect("a temporary directory can be created");
+        let config_path = dir.path().join("stockd.toml");
+        let config = format!(
+            "# Written by tests/api/helpers.rs for a sibling; database and admin token come from env.\n{}",
+            opts.extra_toml
+        );
+        std::fs::write(&config_path, config).expect("the config file can be written");
+        let mut sibling = TestApp {
+            addr: String::new(),
+            admin_token: self.admin_token.clone(),
+            client: http_client(),
+            base_url: Arc::new(RwLock::new(String::new())),
+            child: None,
+            logs: Arc::new(Mutex::new(String::new())),
+            opts,
+            database_url: self.database_url.clone(),
+            config_path,
+            _database: None,
+            dir,
+        };
+        sibling.start().await;
+        sibling
+    }
+
     /// Creates a tenant through the admin API and returns a client holding its API key.
     pub async fn create_tenant(&self, id: &str) -> TenantClient {
         let reply = self.admin_post("/v1/admin/tenants", &json!({"id": id, "name": format!("Tenant {id}")})).await;

@@ -11,11 +11,11 @@ use serde_json::{json, Value};
 use tokio::sync::Barrier;
 
 use crate::helpers::{
-    assert_counts, assert_problem, entries_with_op, plugin_wasm, reserve, spawn_app, unique, Backend, Reply, TestApp,
+    assert_counts, assert_problem, entries_with_op, plugin_wasm, reserve, spawn_app, unique, Reply, TestApp,
 };
 use crate::redis_support::{
     create_redis_resource, deduct_one, order_through_503, reconciliation, redis_app, redis_conn, redis_entry,
-    shared_redis_url, stream_key, wait_settled, RedisCluster, RedisServer, SentinelSetup,
+    shared_redis_url, stream_key, wait_settled, RedisCluster, RedisServer, SentinelSetup, TableHold,
 };
 
 /// The line reason of a rejected one-line order.
@@ -162,40 +162,6 @@ async fn redis_mode_replays_return_the_first_outcome() {
     assert_in_line(&report, "sku-1");
     assert_counts(&shop.state("sku-1").await, 5, 0, 5, 10);
     assert_eq!(entries_with_op(&shop.assert_ledger_replays_to_state("sku-1").await, "deduct").len(), 2);
-}
-
-/// Holds the database's resources table so settlement cannot commit (reads go on): an
-/// exclusive SQLite transaction, or a PostgreSQL table lock. Dropping the guard releases it.
-enum TableHold {
-    Sqlite(sqlx::SqliteConnection),
-    Postgres(sqlx::PgConnection),
-}
-
-impl TableHold {
-    async fn take(database_url: &str) -> TableHold {
-        use sqlx::Connection;
-        match Backend::from_env() {
-            Backend::Sqlite => {
-                let mut conn = sqlx::SqliteConnection::connect(database_url).await.expect("the SQLite file opens");
-                sqlx::query("BEGIN EXCLUSIVE").execute(&mut conn).await.expect("an exclusive transaction starts");
-                TableHold::Sqlite(conn)
-            }
-            Backend::Postgres => {
-                let mut conn = sqlx::PgConnection::connect(database_url).await.expect("PostgreSQL answers");
-                sqlx::query("BEGIN").execute(&mut conn).await.expect("BEGIN");
-                sqlx::query("LOCK TABLE resources IN EXCLUSIVE MODE").execute(&mut conn).await.expect("LOCK TABLE");
-                TableHold::Postgres(conn)
-            }
-        }
-    }
-
-    async fn release(self) {
-        let rolled_back = match self {
-            TableHold::Sqlite(mut conn) => sqlx::query("ROLLBACK").execute(&mut conn).await.map(|_| ()),
-            TableHold::Postgres(mut conn) => sqlx::query("ROLLBACK").execute(&mut conn).await.map(|_| ()),
-        };
-        rolled_back.expect("the hold is released");
-    }
 }
 
 /// A settlement consumer that read entries and died before settling them (kill -9 while the

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use tempfile::TempDir;
 use tokio::process::{Child, Command};
 
-use crate::helpers::{spawn_app_with, unique, AppOptions, Reply, TenantClient, TestApp};
+use crate::helpers::{spawn_app_with, unique, AppOptions, Backend, Reply, TenantClient, TestApp};
 
 /// How long a private Redis may take to answer PING after it starts.
 const REDIS_START_DEADLINE: Duration = Duration::from_secs(20);
@@ -107,6 +107,40 @@ pub async fn wait_settled(shop: &TenantClient, key: &str, consumed: i64) -> Valu
             "{key} did not settle to consumed {consumed}: state {state}, report {report}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Holds the database's resources table so settlement cannot commit (reads go on): an
+/// exclusive SQLite transaction, or a PostgreSQL table lock. Dropping the guard releases it.
+pub enum TableHold {
+    Sqlite(sqlx::SqliteConnection),
+    Postgres(sqlx::PgConnection),
+}
+
+impl TableHold {
+    pub async fn take(database_url: &str) -> TableHold {
+        use sqlx::Connection;
+        match Backend::from_env() {
+            Backend::Sqlite => {
+                let mut conn = sqlx::SqliteConnection::connect(database_url).await.expect("the SQLite file opens");
+                sqlx::query("BEGIN EXCLUSIVE").execute(&mut conn).await.expect("an exclusive transaction starts");
+                TableHold::Sqlite(conn)
+            }
+            Backend::Postgres => {
+                let mut conn = sqlx::PgConnection::connect(database_url).await.expect("PostgreSQL answers");
+                sqlx::query("BEGIN").execute(&mut conn).await.expect("BEGIN");
+                sqlx::query("LOCK TABLE resources IN EXCLUSIVE MODE").execute(&mut conn).await.expect("LOCK TABLE");
+                TableHold::Postgres(conn)
+            }
+        }
+    }
+
+    pub async fn release(self) {
+        let rolled_back = match self {
+            TableHold::Sqlite(mut conn) => sqlx::query("ROLLBACK").execute(&mut conn).await.map(|_| ()),
+            TableHold::Postgres(mut conn) => sqlx::query("ROLLBACK").execute(&mut conn).await.map(|_| ()),
+        };
+        rolled_back.expect("the hold is released");
     }
 }
 

@@ -1,8 +1,14 @@
 //! A retry with an answered Idempotency-Key gets the first answer, byte for byte, whatever
-//! changed since: the tenant's plugin, its verdicts, the server's limits. The first outcome
-//! was applied; anything else would tell the client it was not.
+//! changed since: the tenant's plugin, its verdicts, the server's limits, the stock of a
+//! redis-mode resource (sold out since). The first outcome was applied; anything else would
+//! tell the client it was not.
 
-use crate::helpers::{assert_counts, deduct, plugin_wasm, spawn_app, spawn_app_with, AppOptions, Reply, TenantClient};
+use serde_json::{json, Value};
+
+use crate::helpers::{
+    assert_counts, deduct, entries_with_op, plugin_wasm, spawn_app, spawn_app_with, AppOptions, Reply, TenantClient,
+};
+use crate::redis_support::{deduct_one, redis_app, shared_redis_url, wait_settled, TableHold};
 
 /// The first answer again, byte for byte, marked as a replay.
 #[track_caller]
@@ -88,4 +94,100 @@ async fn a_different_body_under_an_answered_key_is_a_mismatch_even_when_refused_
     let other = shop.order("order-1", &deduct("order-1", &[("sku-1", 4)])).await;
     assert_eq!(other.status(), 422, "{}", other.text);
     assert_eq!(other.json()["code"], "idempotency_key_mismatch", "{}", other.text);
+}
+
+/// Pieces of the redis-mode resource the sold-out replay tests sell in one order.
+const REDIS_STOCK: i64 = 5;
+
+/// Creates `sku-1` with [`REDIS_STOCK`] pieces and switches it to redis mode (which warms Redis
+/// from the database).
+async fn redis_sku(shop: &TenantClient) {
+    shop.create_resource("sku-1", REDIS_STOCK).await;
+    let switched = shop.patch("/v1/resources/sku-1", &json!({"mode": "redis"})).await.expect_json(200);
+    assert_eq!(switched["mode"], "redis", "{switched}");
+}
+
+/// Asserts a new order on `sku-1` is answered `409` for `sold_out`: the process knows the
+/// resource is sold out and answers from memory.
+async fn assert_known_sold_out(shop: &TenantClient, idempotency_key: &str) {
+    let late = shop.order(idempotency_key, &deduct_one(idempotency_key, "sku-1", 1, None)).await;
+    let doc = late.expect_json(409);
+    assert_eq!(doc["lines"][0]["reason"], "sold_out", "{doc}");
+}
+
+/// Order `k1` buys the whole stock of the redis-mode `sku-1` (201), then `k2` is refused as
+/// sold out. Returns `k1`'s body and its first answer.
+async fn sell_out(shop: &TenantClient) -> (Value, Reply) {
+    let body = deduct_one("O-1", "sku-1", REDIS_STOCK, None);
+    let first = shop.order("k1", &body).await;
+    assert_eq!(first.status(), 201, "{}", first.text);
+    assert_known_sold_out(shop, "k2").await;
+    (body, first)
+}
+
+/// Waits until the sale is in the database, then asserts it is there once: one `deduct` in the
+/// ledger, the state replaying from it, no drift.
+async fn assert_sold_once(shop: &TenantClient) {
+    let report = wait_settled(shop, "sku-1", REDIS_STOCK).await;
+    assert_eq!(report["drift"], json!([]), "{report}");
+    assert_eq!(report["settlement_failures"], json!([]), "{report}");
+    assert_counts(&shop.state("sku-1").await, 0, 0, REDIS_STOCK, REDIS_STOCK);
+    let ledger = shop.assert_ledger_replays_to_state("sku-1").await;
+    assert_eq!(entries_with_op(&ledger, "deduct").len(), 1, "the sale applied once");
+}
+
+/// Proves a retry of a redis-mode sale that sold the last pieces gets its first answer while
+/// the sale is not yet settled, although the process now answers new orders `sold_out` from
+/// memory: the database's resources table is held (settlement cannot commit; the database
+/// still shows nothing sold), `k1` buys everything, `k2` is refused `sold_out`, and `k1`
+/// again answers the first 201, byte for byte, marked as a replay. Once the hold is released
+/// the sale settles exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_mode_replay_after_sold_out_returns_the_first_answer_before_settlement() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    redis_sku(&shop).await;
+
+    let hold = TableHold::take(app.database_url()).await;
+    let (body, first) = sell_out(&shop).await;
+    assert_counts(&shop.state("sku-1").await, REDIS_STOCK, 0, 0, REDIS_STOCK);
+    assert_same_answer(&first, &shop.order("k1", &body).await);
+    assert_counts(&shop.state("sku-1").await, REDIS_STOCK, 0, 0, REDIS_STOCK);
+    hold.release().await;
+
+    assert_sold_once(&shop).await;
+}
+
+/// Proves a retry of a redis-mode sale that sold the last pieces gets its first answer once the
+/// sale is settled into the database, while the process answers new orders `sold_out` from
+/// memory: the first 201, byte for byte, marked as a replay, and nothing applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_mode_replay_after_sold_out_returns_the_first_answer_after_settlement() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    redis_sku(&shop).await;
+
+    let (body, first) = sell_out(&shop).await;
+    assert_sold_once(&shop).await;
+    assert_known_sold_out(&shop, "k3").await;
+    assert_same_answer(&first, &shop.order("k1", &body).await);
+    assert_sold_once(&shop).await;
+}
+
+/// Proves that with `[redis] replay_from_database = false` (replays rely on Redis's record
+/// alone) a retry of a redis-mode sale that sold the last pieces still gets its first answer,
+/// not the `sold_out` the process answers new orders from memory: at once, and again once the
+/// sale is settled; the sale applies once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_mode_replay_after_sold_out_returns_the_first_answer_without_database_replays() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "replay_from_database = false").await;
+    let shop = app.create_tenant("shop").await;
+    redis_sku(&shop).await;
+
+    let (body, first) = sell_out(&shop).await;
+    assert_same_answer(&first, &shop.order("k1", &body).await);
+    assert_sold_once(&shop).await;
+    assert_known_sold_out(&shop, "k3").await;
+    assert_same_answer(&first, &shop.order("k1", &body).await);
+    assert_sold_once(&shop).await;
 }
