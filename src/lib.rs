@@ -4,7 +4,9 @@
 //! Crate map:
 //! - [`api`]: the REST contract over axum: extractors, handlers, problem+json, OpenAPI.
 //! - [`engine`]: the pure domain: newtypes, plans, order outcomes, ledger arithmetic.
-//! - [`storage`]: the storage trait and its backends (SQLite, PostgreSQL), each with group commit.
+//! - [`apply`]: every state change on the database, written once over a narrow storage port.
+//! - [`storage`]: the storage trait and its backends (SQLite, PostgreSQL), each with group commit;
+//!   a backend is SQL text and plumbing behind [`apply::port::Port`].
 //! - [`hotpath`]: redis mode (flash sales): Lua pre-deduction, stream write-behind, sold-out.
 //! - [`jobs`]: reservation expiry, reconciliation, idempotency purge, Redis settlement.
 //! - [`plugin`]: tenant planning plugins (WebAssembly components) run by wasmtime.
@@ -14,6 +16,7 @@
 //! - [`bench`]: `stockd bench`, the closed-loop load generator and its baselines.
 
 pub mod api;
+pub mod apply;
 pub mod auth;
 pub mod bench;
 pub mod cli;

@@ -92,6 +92,10 @@ impl From<StorageError> for ApiError {
                 tracing::error!(error = %why, "storage failure");
                 ApiError::internal()
             }
+            StorageError::RetryLater(why) => {
+                tracing::info!(reason = %why, "request must be retried");
+                ApiError::unavailable(&format!("{why}; retry with the same Idempotency-Key"))
+            }
             StorageError::PlanRefused(why) => {
                 metrics::counter!("stockd_plugin_failures_total", "kind" => "plan_refused").increment(1);
                 ApiError::new(422, "plugin_failed", "Plugin failed", why)

@@ -31,6 +31,12 @@ pub enum StorageError {
     /// the plugin's fault, answered `422 plugin_failed`; nothing of the request was applied.
     #[error("plan refused: {0}")]
     PlanRefused(String),
+    /// This request cannot be decided here now, though nothing is wrong with it or the database
+    /// (its resource is sold in redis mode, which this process had not learnt yet): nothing of it
+    /// was applied and the client retries with the same key. Fails only its own request: in a
+    /// group commit it is rolled back to its savepoint and the batch goes on.
+    #[error("retry later: {0}")]
+    RetryLater(String),
 }
 
 impl From<sqlx::Error> for StorageError {

@@ -3,7 +3,9 @@
 
 use ulid::Ulid;
 
-use crate::engine::{ResourceKey, MAX_TOTAL};
+use crate::apply::orders::refusal;
+use crate::apply::port::View;
+use crate::engine::{Kind, Mode, ResourceKey, MAX_TOTAL};
 use crate::problem::Problem;
 
 use crate::engine::TenantId;
@@ -107,27 +109,21 @@ pub fn adjust_refusal(key: &ResourceKey, available: i64, delta: i64) -> Problem 
     }
 }
 
-/// A resource as lines are judged against it: `(status, kind, available, buckets)`, where a
-/// bucketed resource's available is its buckets' sum.
-pub type LineView = (String, String, i64, i64);
-
-/// Why a line cannot apply to a target, judged from the resource's current row (`None`: it can).
-pub fn line_refusal(row: Option<&LineView>, target: &Target, qty: i64) -> Option<Reason> {
-    let Some((status, kind, available, _)) = row else { return Some(Reason::ResourceNotFound) };
-    if target.kind.is_some_and(|k| k.as_str() != kind) {
-        Some(Reason::ResourceNotFound)
-    } else if status != ResourceStatus::Active.as_str() {
-        Some(Reason::ResourceInactive)
-    } else if *available < qty {
-        Some(Reason::Insufficient)
-    } else {
-        None
-    }
+/// A resource as a dry run judges it, from its stored columns.
+pub fn view_of(status: &str, kind: &str, mode: &str, available: i64, buckets: i64) -> Result<View, StorageError> {
+    let corrupt = || StorageError::Internal("unexpected stored value in resources".into());
+    Ok(View {
+        status: ResourceStatus::from_db(status).ok_or_else(corrupt)?,
+        kind: Kind::from_db(kind).ok_or_else(corrupt)?,
+        mode: Mode::from_db(mode).ok_or_else(corrupt)?,
+        available,
+        buckets,
+    })
 }
 
 /// What a line would do now, for the dry run: `used` is its limit key's count so far, `views`
 /// the current rows of its targets (in order). Ignores interactions between lines of one order.
-pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<LineView>>) -> LineResult {
+pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<View>>) -> LineResult {
     if line.limit.as_ref().is_some_and(|l| used.saturating_add(line.qty) > l.max) {
         return LineResult::Rejected(Reason::LimitExceeded);
     }
@@ -136,7 +132,7 @@ pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<LineView>>)
         let refusal = match (&view, target.create_if_missing) {
             (None, Some(allowance)) if allowance >= line.qty => None,
             (None, Some(_)) => Some(Reason::Insufficient),
-            _ => line_refusal(view.as_ref(), target, line.qty),
+            _ => refusal(view.as_ref(), target, line.qty),
         };
         match refusal {
             None => return LineResult::Applied(i),
@@ -150,10 +146,10 @@ pub fn preview_line(line: &PlannedLine, used: i64, views: Vec<Option<LineView>>)
 
 /// A target's view as a dry run judges it, refusing a plan that names a bucket the resource
 /// does not have (as the order itself would be refused).
-pub fn previewed(target: &Target, view: Option<LineView>) -> Result<Option<LineView>, StorageError> {
-    if let Some((.., n)) = &view {
-        if *n > 1 {
-            bucket_order(&target.buckets, *n, 0).map_err(StorageError::PlanRefused)?;
+pub fn previewed(target: &Target, view: Option<View>) -> Result<Option<View>, StorageError> {
+    if let Some(v) = &view {
+        if v.buckets > 1 {
+            bucket_order(&target.buckets, v.buckets, 0).map_err(StorageError::PlanRefused)?;
         }
     }
     Ok(view)

@@ -11,9 +11,8 @@
 //! Correctness across processes comes from the database alone (guarded updates, the
 //! idempotency row claimed first, `SKIP LOCKED`), never from the batcher: it only saves commits.
 
-mod admit;
-pub mod buckets;
 pub mod ops;
+pub mod port;
 pub mod settle;
 
 use std::str::FromStr;
@@ -30,7 +29,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use self::ops::{reservation_from_row, resource_from_row};
+use self::port::{reservation_from_row, resource_from_row, PgPort};
 use super::rules::{
     self, bucket_rows, fold_all, preview_line, previewed, reconcile_rows, API_KEY_COLUMNS, BUCKET_COLUMNS,
     RESOURCE_COLUMNS, TENANT_COLUMNS,
@@ -40,6 +39,8 @@ use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
 };
+use crate::apply::port::Port;
+use crate::apply::{self, buckets, reservations, resources};
 use crate::engine::{
     LedgerEntry, LedgerOp, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
     ResourceStatus, TenantId,
@@ -194,7 +195,8 @@ impl Ran {
         match result {
             Ok(_) => Ran::Kept,
             Err(StorageError::Unavailable(why)) => Ran::Transient(why.clone()),
-            Err(StorageError::Internal(_) | StorageError::PlanRefused(_)) => Ran::Failed,
+            // Its own refusal or retry answer: it alone is rolled back, the batch goes on.
+            Err(StorageError::Internal(_) | StorageError::PlanRefused(_) | StorageError::RetryLater(_)) => Ran::Failed,
         }
     }
 }
@@ -236,7 +238,7 @@ impl Queued for PendingOrder {
 
     fn run<'a>(&'a mut self, conn: &'a mut PgConnection) -> BoxFuture<'a, Ran> {
         Box::pin(async move {
-            let result = ops::execute_order(conn, &self.job, self.now_ms).await;
+            let result = apply::orders::execute(&mut PgPort::new(conn), &self.job, self.now_ms).await;
             let ran = Ran::of(&result);
             self.result = Some(result);
             ran
@@ -373,6 +375,7 @@ fn duplicate(err: &StorageError) -> StorageError {
         StorageError::Unavailable(why) => StorageError::Unavailable(why.clone()),
         StorageError::Internal(why) => StorageError::Internal(why.clone()),
         StorageError::PlanRefused(why) => StorageError::PlanRefused(why.clone()),
+        StorageError::RetryLater(why) => StorageError::RetryLater(why.clone()),
     }
 }
 
@@ -448,7 +451,7 @@ async fn attempt(
     })
 }
 
-/// Decides the batch's orders together (see [`admit::execute_orders_fast`]), marking those it
+/// Decides the batch's orders together (see [`apply::batch`]), marking those it
 /// decided; the rest run on their own. It runs first in the transaction, so a failure of it
 /// needs no savepoint: the batch is run again, without admission if the failure was not
 /// passing.
@@ -465,9 +468,9 @@ async fn admit_orders(
     if !admission || orders.len() < 2 {
         return Ok(());
     }
-    let rows = admit::locked_rows(locked).map_err(|e| BatchFailure::WithoutAdmission(e.to_string()))?;
+    let rows = port::locked_rows(locked).map_err(|e| BatchFailure::WithoutAdmission(e.to_string()))?;
     let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&*o.job, o.now_ms)).collect();
-    match admit::execute_orders_fast(tx, &jobs, rows).await {
+    match apply::batch::admit(&mut PgPort::new(tx), &jobs, rows).await {
         Ok(outcomes) => {
             for (order, outcome) in orders.into_iter().zip(outcomes) {
                 if let Some(execution) = outcome {
@@ -667,7 +670,7 @@ impl Storage for PgStorage {
             Vec::new(),
             work(move |conn| {
                 let (tenant, res) = (tenant.clone(), res.clone());
-                Box::pin(async move { ops::create_resource(conn, &tenant, &res, now_ms).await })
+                Box::pin(async move { resources::create(&mut PgPort::new(conn), &tenant, &res, None, now_ms).await })
             }),
         )
         .await
@@ -679,7 +682,7 @@ impl Storage for PgStorage {
         let mut tx = conn.begin_with(SNAPSHOT).await?;
         let row = sqlx::query(&sql).bind(tenant.as_str()).bind(key.as_str()).fetch_optional(&mut *tx).await?;
         let state = match row.as_ref().map(resource_from_row).transpose()? {
-            Some(state) => Some(buckets::complete(&mut tx, tenant.as_str(), state).await?),
+            Some(state) => Some(buckets::complete(&mut PgPort::new(&mut tx), tenant.as_str(), state).await?),
             None => None,
         };
         tx.commit().await?;
@@ -714,7 +717,8 @@ impl Storage for PgStorage {
             .await?;
         let mut states = Vec::with_capacity(rows.len());
         for row in &rows {
-            let mut state = buckets::complete(&mut conn, tenant.as_str(), resource_from_row(row)?).await?;
+            let mut state =
+                buckets::complete(&mut PgPort::new(&mut conn), tenant.as_str(), resource_from_row(row)?).await?;
             state.bucket_counts = None;
             states.push(state);
         }
@@ -734,7 +738,9 @@ impl Storage for PgStorage {
             locks,
             work(move |conn| {
                 let (tenant, key) = (tenant.clone(), key.clone());
-                Box::pin(async move { ops::set_resource_status(conn, &tenant, &key, status, now_ms).await })
+                Box::pin(
+                    async move { resources::set_status(&mut PgPort::new(conn), &tenant, &key, status, now_ms).await },
+                )
             }),
         )
         .await
@@ -754,7 +760,9 @@ impl Storage for PgStorage {
             locks,
             work(move |conn| {
                 let (tenant, idem, key) = (tenant.clone(), idem.clone(), key.clone());
-                Box::pin(async move { ops::adjust(conn, &tenant, &idem, &key, delta, now_ms).await })
+                Box::pin(
+                    async move { resources::adjust(&mut PgPort::new(conn), &tenant, &idem, &key, delta, now_ms).await },
+                )
             }),
         )
         .await
@@ -812,16 +820,22 @@ impl Storage for PgStorage {
         let mut tx = conn.begin_with(SNAPSHOT).await?;
         let mut results = Vec::with_capacity(plan.lines.len());
         for line in &plan.lines {
-            let used = match &line.limit {
-                Some(limit) => ops::limit_used(&mut tx, tenant.as_str(), limit.key.as_str()).await?,
-                None => 0,
+            let used: Option<i64> = match &line.limit {
+                Some(limit) => {
+                    sqlx::query_scalar("SELECT used FROM user_limits WHERE tenant_id = $1 AND key = $2")
+                        .bind(tenant.as_str())
+                        .bind(limit.key.as_str())
+                        .fetch_optional(&mut *tx)
+                        .await?
+                }
+                None => None,
             };
             let mut views = Vec::with_capacity(line.targets.len());
             for target in &line.targets {
-                let view = ops::line_view(&mut tx, tenant.as_str(), target.resource.as_str()).await?;
+                let view = PgPort::new(&mut tx).view(tenant.as_str(), target.resource.as_str()).await?;
                 views.push(previewed(target, view)?);
             }
-            results.push(preview_line(line, used, views));
+            results.push(preview_line(line, used.unwrap_or(0), views));
         }
         tx.commit().await?;
         Ok(OrderDocument::build(order, plan, &results, None))
@@ -845,7 +859,7 @@ impl Storage for PgStorage {
             Vec::new(),
             work(move |conn| {
                 let (tenant, id) = (tenant.clone(), id.clone());
-                Box::pin(async move { ops::confirm_reservation(conn, &tenant, &id, now_ms).await })
+                Box::pin(async move { reservations::confirm(&mut PgPort::new(conn), &tenant, &id, now_ms).await })
             }),
         )
         .await
@@ -857,18 +871,28 @@ impl Storage for PgStorage {
             Vec::new(),
             work(move |conn| {
                 let (tenant, id) = (tenant.clone(), id.clone());
-                Box::pin(async move { ops::release_reservation(conn, &tenant, &id, now_ms).await })
+                Box::pin(async move { reservations::release(&mut PgPort::new(conn), &tenant, &id, now_ms).await })
             }),
         )
         .await
     }
 
     async fn expire_due(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
-        self.submit(Vec::new(), work(move |conn| Box::pin(ops::expire_due(conn, now_ms, limit)))).await
+        self.submit(
+            Vec::new(),
+            work(move |conn| {
+                Box::pin(async move { reservations::expire_due(&mut PgPort::new(conn), now_ms, limit).await })
+            }),
+        )
+        .await
     }
 
     async fn rebalance_buckets(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
-        self.submit(Vec::new(), work(move |conn| Box::pin(buckets::rebalance(conn, now_ms, limit)))).await
+        self.submit(
+            Vec::new(),
+            work(move |conn| Box::pin(async move { buckets::rebalance(&mut PgPort::new(conn), now_ms, limit).await })),
+        )
+        .await
     }
 
     async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {

@@ -1,8 +1,8 @@
 //! The embedded SQLite backend (WAL). Writes go through one group-committing writer thread
 //! ([`writer`], [`ops`]); reads use a pool of read connections that WAL lets run beside it.
 
-pub mod buckets;
 pub mod ops;
+pub mod port;
 pub mod settle;
 pub mod writer;
 
@@ -15,15 +15,18 @@ use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{ConnectOptions, Row};
 
+use self::port::SqlitePort;
 use self::writer::{Writer, WriterLimits};
 use super::rules::{
-    self, bucket_rows, fold_all, preview_line, previewed, reconcile_rows, LineView, API_KEY_COLUMNS, BUCKET_COLUMNS,
+    self, bucket_rows, fold_all, preview_line, previewed, reconcile_rows, API_KEY_COLUMNS, BUCKET_COLUMNS,
     RESOURCE_COLUMNS, TENANT_COLUMNS,
 };
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
 };
+use crate::apply::port::run_now;
+use crate::apply::{buckets, reservations, resources};
 use crate::engine::{
     Kind, LedgerEntry, LedgerOp, Mode, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation,
     ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
@@ -168,7 +171,7 @@ fn open_writer(path: &Path, settings: &SqliteSettings) -> Result<rusqlite::Conne
 
 /// A dry run's view of a resource: `(status, kind, available)`, a bucketed one's available
 /// being its buckets' sum.
-const PREVIEW_VIEW: &str = "SELECT status, kind,
+const PREVIEW_VIEW: &str = "SELECT status, kind, mode,
         CASE WHEN buckets = 1 THEN available ELSE
           (SELECT COALESCE(SUM(b.available), 0) FROM resource_buckets b
            WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key) END AS available,
@@ -325,7 +328,9 @@ impl Storage for SqliteStorage {
         now_ms: i64,
     ) -> Result<Option<ResourceState>, StorageError> {
         let (tenant, res) = (tenant.clone(), res.clone());
-        self.writer()?.submit(move |conn| ops::create_resource(conn, &tenant, &res, now_ms)).await
+        self.writer()?
+            .submit(move |conn| run_now(resources::create(&mut SqlitePort::new(conn), &tenant, &res, None, now_ms)))
+            .await
     }
 
     async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError> {
@@ -381,7 +386,11 @@ impl Storage for SqliteStorage {
         now_ms: i64,
     ) -> Result<Option<ResourceState>, StorageError> {
         let (tenant, key) = (tenant.clone(), key.clone());
-        self.writer()?.submit(move |conn| ops::set_resource_status(conn, &tenant, &key, status, now_ms)).await
+        self.writer()?
+            .submit(move |conn| {
+                run_now(resources::set_status(&mut SqlitePort::new(conn), &tenant, &key, status, now_ms))
+            })
+            .await
     }
 
     async fn adjust(
@@ -393,7 +402,11 @@ impl Storage for SqliteStorage {
         now_ms: i64,
     ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError> {
         let (tenant, idem, key) = (tenant.clone(), idem.clone(), key.clone());
-        self.writer()?.submit(move |conn| ops::adjust(conn, &tenant, &idem, &key, delta, now_ms)).await
+        self.writer()?
+            .submit(move |conn| {
+                run_now(resources::adjust(&mut SqlitePort::new(conn), &tenant, &idem, &key, delta, now_ms))
+            })
+            .await
     }
 
     async fn ledger_page(
@@ -451,12 +464,13 @@ impl Storage for SqliteStorage {
             };
             let mut views = Vec::with_capacity(line.targets.len());
             for target in &line.targets {
-                let view: Option<LineView> = sqlx::query_as(PREVIEW_VIEW)
+                let row: Option<(String, String, String, i64, i64)> = sqlx::query_as(PREVIEW_VIEW)
                     .bind(tenant.as_str())
                     .bind(target.resource.as_str())
                     .fetch_optional(&mut *tx)
                     .await?;
-                views.push(previewed(target, view)?);
+                let view = row.map(|(s, k, m, available, buckets)| rules::view_of(&s, &k, &m, available, buckets));
+                views.push(previewed(target, view.transpose()?)?);
             }
             results.push(preview_line(line, used.unwrap_or(0), views));
         }
@@ -476,20 +490,26 @@ impl Storage for SqliteStorage {
 
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
         let (tenant, id) = (tenant.clone(), id.to_string());
-        self.writer()?.submit(move |conn| ops::confirm_reservation(conn, &tenant, &id, now_ms)).await
+        self.writer()?
+            .submit(move |conn| run_now(reservations::confirm(&mut SqlitePort::new(conn), &tenant, &id, now_ms)))
+            .await
     }
 
     async fn release_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
         let (tenant, id) = (tenant.clone(), id.to_string());
-        self.writer()?.submit(move |conn| ops::release_reservation(conn, &tenant, &id, now_ms)).await
+        self.writer()?
+            .submit(move |conn| run_now(reservations::release(&mut SqlitePort::new(conn), &tenant, &id, now_ms)))
+            .await
     }
 
     async fn expire_due(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
-        self.writer()?.submit(move |conn| ops::expire_due(conn, now_ms, limit)).await
+        self.writer()?
+            .submit(move |conn| run_now(reservations::expire_due(&mut SqlitePort::new(conn), now_ms, limit)))
+            .await
     }
 
     async fn rebalance_buckets(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {
-        self.writer()?.submit(move |conn| buckets::rebalance(conn, now_ms, limit)).await
+        self.writer()?.submit(move |conn| run_now(buckets::rebalance(&mut SqlitePort::new(conn), now_ms, limit))).await
     }
 
     async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 
-use super::ops;
+use super::port::SqlitePort;
+use crate::apply;
+use crate::apply::port::run_now;
 use crate::storage::{OrderExecution, OrderJob, StorageError};
 
 /// Called once the batch's fate is known: `Ok` after a durable commit, `Err` if it failed.
@@ -41,7 +43,7 @@ impl OrderWork {
     fn into_work(self) -> Work {
         let OrderWork { job, now_ms, reply } = self;
         Box::new(move |conn| {
-            let result = ops::execute_order(conn, &job, now_ms);
+            let result = run_now(apply::orders::execute(&mut SqlitePort::new(conn), &job, now_ms));
             let ok = result.is_ok();
             (ok, answer(reply, result))
         })
@@ -189,7 +191,7 @@ fn commit_batch(conn: &Connection, batch: &mut Vec<Job>) {
     }
 }
 
-/// Decides the batch's orders together in one savepoint (see [`ops::execute_orders_fast`]),
+/// Decides the batch's orders together in one savepoint (see [`apply::batch`]),
 /// queueing the answers of those it decided; returns the rest as jobs of their own. If the
 /// savepoint fails as a whole, every order runs on its own instead.
 fn admit_orders(conn: &Connection, orders: Vec<OrderWork>, completions: &mut Vec<Completion>) -> Vec<Work> {
@@ -201,7 +203,9 @@ fn admit_orders(conn: &Connection, orders: Vec<OrderWork>, completions: &mut Vec
         return orders.into_iter().map(OrderWork::into_work).collect();
     }
     let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&o.job, o.now_ms)).collect();
-    let decided = ops::execute_orders_fast(conn, &jobs);
+    let mut port = SqlitePort::new(conn);
+    let wanted = jobs.iter().flat_map(|(job, _)| job.plan.resources().map(|key| (job.tenant.as_str(), key.as_str())));
+    let decided = port.admission_rows(wanted).and_then(|rows| run_now(apply::batch::admit(&mut port, &jobs, rows)));
     let closed = match &decided {
         Ok(_) => exec(conn, "RELEASE orders"),
         Err(_) => exec(conn, "ROLLBACK TO orders").and_then(|_| exec(conn, "RELEASE orders")),

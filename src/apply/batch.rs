@@ -1,0 +1,137 @@
+//! Batch admission: the orders of one group commit decided together against the resource rows
+//! the batch read once (under its locks, where several processes write), so that a hot row takes
+//! one UPDATE per batch instead of one per order. See [`crate::engine::admission`] for the rules;
+//! they are those of the per-order path, and the property test in `tests.rs` holds the two to
+//! the same outcomes, ledger rows and final state.
+//!
+//! Each order still gets its own ledger rows, reservation and idempotency record; each changed
+//! row is written once, guarded by the version it was read at. Orders this path cannot decide
+//! (limits, creation, buckets, redis mode, a key used twice in the batch, a key it cannot claim
+//! in bulk) are left to the per-order path: their slot in the answer is `None`.
+
+use std::collections::{HashMap, HashSet};
+
+use super::orders::{new_reservation, order_response};
+use super::port::{BatchWrites, Claim, Counts, LedgerRow, LockedRows, NewReservation, Outcome, Port, RowWrite};
+use crate::engine::admission::{self, Row as AdmissionRow};
+use crate::engine::OrderStatus;
+use crate::storage::rules::{new_request_id, reservation_lines_json};
+use crate::storage::{Idempotent, OrderExecution, OrderJob, StorageError};
+
+/// Whether admission may decide this order: no limits or creation, and every target it names
+/// that exists is a single-bucket, database-mode row the batch read.
+fn eligible(job: &OrderJob, rows: &LockedRows) -> bool {
+    let tenant_rows = rows.get(job.tenant.as_str());
+    admission::admissible(&job.plan)
+        && job
+            .plan
+            .resources()
+            .all(|key| tenant_rows.and_then(|r| r.get(key.as_str())).is_none_or(AdmissionRow::admissible))
+}
+
+/// Decides the batch's orders (see the module docs) against `rows`, the resource rows of every
+/// order's plan as the batch read them. Runs inside the caller's transaction: on any error
+/// nothing of it may stand.
+pub async fn admit<P: Port>(
+    port: &mut P,
+    jobs: &[(&OrderJob, i64)],
+    mut rows: LockedRows,
+) -> Result<Vec<Option<OrderExecution>>, StorageError> {
+    let read_at: HashMap<(String, String), i64> =
+        rows.iter().flat_map(|(t, keys)| keys.iter().map(move |(k, r)| ((t.clone(), k.clone()), r.version))).collect();
+    let mut seen = HashSet::new();
+    let candidates: Vec<usize> = (0..jobs.len())
+        .filter(|&i| {
+            let (job, _) = jobs[i];
+            eligible(job, &rows) && seen.insert((job.tenant.as_str(), job.idempotency.key.as_str()))
+        })
+        .collect();
+    let keys: Vec<_> = candidates.iter().map(|&i| (&jobs[i].0.tenant, &jobs[i].0.idempotency)).collect();
+    let now_ms = jobs.iter().map(|(_, at)| *at).max().unwrap_or(0);
+    let claims = port.claim_keys(&keys, now_ms).await?;
+    if claims.len() != candidates.len() {
+        return Err(StorageError::Internal("a batch claim answered a different number of keys".into()));
+    }
+
+    let mut out: Vec<Option<OrderExecution>> = vec![None; jobs.len()];
+    let mut writes = BatchWrites::default();
+    for (i, claim) in candidates.into_iter().zip(claims) {
+        let (job, now_ms) = jobs[i];
+        match claim {
+            Claim::Ours => {}
+            Claim::Answered(previous) => {
+                out[i] = Some(OrderExecution { response: previous, outcome: None });
+                continue;
+            }
+            Claim::Unsure => continue,
+        }
+        let tenant_rows = rows.entry(job.tenant.to_string()).or_default();
+        let Some(admitted) = admission::admit(tenant_rows, &job.plan, job.order.action) else {
+            return Err(StorageError::Internal("an eligible order was not admissible".into()));
+        };
+        writes.at = writes.at.max(now_ms);
+        let request_id = new_request_id();
+        let reservation = new_reservation(job, now_ms);
+        for change in &admitted.changes {
+            let [available, reserved, consumed] = change.after;
+            writes.ledger.push(LedgerRow {
+                tenant: job.tenant.to_string(),
+                resource: change.resource.clone(),
+                op: change.op,
+                qty: change.qty,
+                request_id: request_id.clone(),
+                order_id: job.order.order_id.to_string(),
+                reservation_id: reservation.as_ref().map(|(id, _)| id.clone()),
+                after: Counts { available, reserved, consumed, version: change.version_after },
+                plugin_version: job.plan.planner.version,
+                at: now_ms,
+            });
+        }
+        if admitted.status != OrderStatus::Rejected {
+            if let Some((id, expires_at)) = &reservation {
+                writes.reservations.push(NewReservation {
+                    tenant: job.tenant.to_string(),
+                    id: id.clone(),
+                    order_id: job.order.order_id.to_string(),
+                    lines: reservation_lines_json(job, &admitted.results, &[])?,
+                    expires_at: expires_at.0,
+                    created_at: now_ms,
+                });
+            }
+        }
+        let response = order_response(job, &admitted.results, reservation)?;
+        writes.outcomes.push(Outcome {
+            tenant: job.tenant.to_string(),
+            key: job.idempotency.key.to_string(),
+            request_hash: job.idempotency.request_hash.clone(),
+            response: response.clone(),
+            at: now_ms,
+        });
+        out[i] = Some(OrderExecution {
+            response: Idempotent::Fresh(response),
+            outcome: Some((admitted.status, admitted.results)),
+        });
+    }
+    for (tenant, keys) in &rows {
+        for (key, row) in keys {
+            let Some(&read_version) = read_at.get(&(tenant.clone(), key.clone())) else { continue };
+            if row.version != read_version {
+                writes.rows.push(RowWrite {
+                    tenant: tenant.clone(),
+                    key: key.clone(),
+                    after: Counts {
+                        available: row.available,
+                        reserved: row.reserved,
+                        consumed: row.consumed,
+                        version: row.version,
+                    },
+                    read_version,
+                });
+            }
+        }
+    }
+    // One global order for the row writes, so two batches never wait on each other in a cycle.
+    writes.rows.sort_by(|a, b| (&a.tenant, &a.key).cmp(&(&b.tenant, &b.key)));
+    port.write_batch(&writes).await?;
+    Ok(out)
+}

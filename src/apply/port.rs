@@ -1,0 +1,289 @@
+//! The storage port: the statements the orchestration in [`crate::apply`] needs, and nothing
+//! else. A backend implements it with SQL text and plumbing only; every decision (which row to
+//! try next, when to create, what a refusal means, what the response is) is made once, above it.
+//!
+//! Every method runs on the connection (and inside the transaction) of the write it serves. A
+//! backend's methods may be asynchronous (PostgreSQL) or complete at once (SQLite, whose writer
+//! thread drives the orchestration with [`run_now`]).
+
+use std::collections::HashMap;
+use std::future::Future;
+
+use futures::FutureExt;
+
+use crate::engine::admission::Row as AdmissionRow;
+use crate::engine::{
+    BucketCounts, Kind, LedgerOp, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus,
+    TenantId,
+};
+use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
+
+/// A row's counters after a change, as its ledger row records them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    pub available: i64,
+    pub reserved: i64,
+    pub consumed: i64,
+    pub version: i64,
+}
+
+/// How a change moves a quantity between a row's counters, and what guards it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Move {
+    /// `available → consumed`, guarded by `available >= qty`.
+    Deduct,
+    /// `available → reserved`, guarded by `available >= qty`.
+    Reserve,
+    /// `reserved → consumed`, guarded by `reserved >= qty`.
+    Confirm,
+    /// `reserved → available`, guarded by `reserved >= qty`.
+    Unreserve,
+    /// `available` and `total` by a signed quantity, guarded by `available + qty >= 0` (and, on
+    /// a resource row, `total + qty <= MAX_TOTAL`).
+    Adjust,
+}
+
+/// Which row a change applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Row {
+    /// The resource row of a single-bucket resource.
+    Resource,
+    /// One bucket row of a bucketed resource.
+    Bucket(i64),
+}
+
+/// Who asks, for the guards a deduction or reservation of a resource row adds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// An order on the database path: the row must also be active, in db mode and (when the plan
+    /// names one) of `kind`.
+    Order { kind: Option<Kind> },
+    /// A sale Redis already made: only the counters may refuse it.
+    Settlement,
+}
+
+/// What a ledger row records besides the counters after its change.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry<'a> {
+    pub tenant: &'a str,
+    pub resource: &'a str,
+    pub bucket: i64,
+    pub op: LedgerOp,
+    /// Signed for an adjustment.
+    pub qty: i64,
+    pub request_id: &'a str,
+    pub order_id: Option<&'a str>,
+    pub reservation_id: Option<&'a str>,
+    pub plugin_version: Option<i64>,
+    pub at: i64,
+}
+
+/// One guarded change of one row, written with its ledger row (`entry`, with `entry.qty` the
+/// quantity moved) when the guard lets it through.
+#[derive(Debug, Clone, Copy)]
+pub struct Change<'a> {
+    pub row: Row,
+    pub how: Move,
+    pub gate: Gate,
+    pub entry: Entry<'a>,
+}
+
+/// A resource as a line is judged against it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct View {
+    pub status: ResourceStatus,
+    pub kind: Kind,
+    pub mode: Mode,
+    /// A bucketed resource's is its buckets' sum.
+    pub available: i64,
+    pub buckets: i64,
+}
+
+/// A reservation row to insert (state `held`).
+#[derive(Debug, Clone)]
+pub struct NewReservation {
+    pub tenant: String,
+    pub id: String,
+    pub order_id: String,
+    /// [`crate::engine::ReservationLine`]s as JSON.
+    pub lines: String,
+    pub expires_at: i64,
+    pub created_at: i64,
+}
+
+/// How a batch's claim of an idempotency key went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The key is this request's: decide it and store its outcome.
+    Ours,
+    /// The key was answered before: its first outcome (or a mismatch).
+    Answered(Idempotent),
+    /// Neither can be said in bulk (the key vanished between two statements): leave the order to
+    /// the per-order path.
+    Unsure,
+}
+
+/// A ledger row the batch writes, owned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerRow {
+    pub tenant: String,
+    pub resource: String,
+    pub op: LedgerOp,
+    pub qty: i64,
+    pub request_id: String,
+    pub order_id: String,
+    pub reservation_id: Option<String>,
+    pub after: Counts,
+    pub plugin_version: i64,
+    pub at: i64,
+}
+
+/// A resource row the batch changed, written guarded by the version it was read at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowWrite {
+    pub tenant: String,
+    pub key: String,
+    pub after: Counts,
+    pub read_version: i64,
+}
+
+/// An idempotency record the batch stores.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub tenant: String,
+    pub key: String,
+    pub request_hash: String,
+    pub response: StoredResponse,
+    pub at: i64,
+}
+
+/// Everything a batch decided by admission, written at once.
+#[derive(Debug, Clone, Default)]
+pub struct BatchWrites {
+    pub rows: Vec<RowWrite>,
+    pub ledger: Vec<LedgerRow>,
+    pub reservations: Vec<NewReservation>,
+    pub outcomes: Vec<Outcome>,
+    /// `updated_at` of the changed rows: the latest order's time.
+    pub at: i64,
+}
+
+/// Resource rows by tenant, then key, as a batch read them (under its locks, where the backend
+/// has several writers).
+pub type LockedRows = HashMap<String, HashMap<String, AdmissionRow>>;
+
+/// The names of the savepoints the orchestration nests inside a write's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Savepoint {
+    /// Around an order's lines: a rejected order leaves nothing behind.
+    Lines,
+    /// Around one line that may change something and still fail (a limit, a creation).
+    Line,
+    /// Around batch admission.
+    Batch,
+}
+
+impl Savepoint {
+    pub fn name(self) -> &'static str {
+        match self {
+            Savepoint::Lines => "lines",
+            Savepoint::Line => "line",
+            Savepoint::Batch => "batch",
+        }
+    }
+}
+
+/// The statements of one backend. See the module docs.
+#[allow(async_fn_in_trait)]
+pub trait Port {
+    /// Claims `idem` for this write: `None`, it is ours (store its outcome with
+    /// [`Port::store_outcome`]); `Some`, it was used before: its first outcome, or a mismatch.
+    /// Where several processes write, a concurrent first use waits here until the other commits.
+    async fn claim_key(
+        &mut self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+        now_ms: i64,
+    ) -> Result<Option<Idempotent>, StorageError>;
+    /// Stores the outcome of a key this write claimed, in the same transaction as its effects.
+    async fn store_outcome(
+        &mut self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+        response: &StoredResponse,
+        now_ms: i64,
+    ) -> Result<(), StorageError>;
+    /// Gives back a claimed key whose request ends without a stored outcome.
+    async fn forget_key(&mut self, tenant: &TenantId, idem: &IdempotencyRequest) -> Result<(), StorageError>;
+
+    async fn savepoint(&mut self, at: Savepoint) -> Result<(), StorageError>;
+    async fn rollback_to(&mut self, at: Savepoint) -> Result<(), StorageError>;
+    async fn release(&mut self, at: Savepoint) -> Result<(), StorageError>;
+
+    /// The guarded change and its ledger row; `None`: the guard refused and nothing changed.
+    async fn change(&mut self, change: &Change<'_>) -> Result<Option<Counts>, StorageError>;
+    /// A ledger row for a change made otherwise (a creation).
+    async fn append_ledger(&mut self, entry: &Entry<'_>, after: Counts) -> Result<(), StorageError>;
+
+    /// The resource as lines are judged against it; `None`: no such resource.
+    async fn view(&mut self, tenant: &str, key: &str) -> Result<Option<View>, StorageError>;
+    /// The resource row (a bucketed resource's without its buckets folded in).
+    async fn resource(&mut self, tenant: &str, key: &str) -> Result<Option<ResourceState>, StorageError>;
+    /// Sets the resource's status; the row after (`None`: no such resource).
+    async fn set_status(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        status: ResourceStatus,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError>;
+    /// Inserts an active, db-mode resource row with `total` available (0 for a bucketed one);
+    /// `None` if the key exists.
+    async fn insert_resource(
+        &mut self,
+        tenant: &str,
+        res: &NewResource,
+        now_ms: i64,
+    ) -> Result<Option<(ResourceState, Counts)>, StorageError>;
+    /// Inserts bucket rows `0..shares.len()` with those totals, each with its `create` ledger
+    /// row (`entry` with the bucket and share filled in).
+    async fn insert_buckets(&mut self, shares: &[i64], entry: &Entry<'_>) -> Result<(), StorageError>;
+    /// Every bucket's counters, in bucket order.
+    async fn buckets(&mut self, tenant: &str, key: &str) -> Result<Vec<BucketCounts>, StorageError>;
+    /// Up to `limit` bucketed resources whose buckets differ by more than one, locked where
+    /// several processes write (skipping those locked by others).
+    async fn uneven_resources(&mut self, limit: u32) -> Result<Vec<(String, String)>, StorageError>;
+
+    /// Counts `qty` against the limit if `used + qty <= max`; `false`: it would not fit.
+    async fn take_limit(&mut self, tenant: &str, limit: &LimitSpec, qty: i64) -> Result<bool, StorageError>;
+    async fn give_back_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError>;
+
+    async fn insert_reservation(&mut self, reservation: &NewReservation) -> Result<(), StorageError>;
+    async fn reservation(&mut self, tenant: &str, id: &str) -> Result<Option<Reservation>, StorageError>;
+    /// Moves the reservation from `held` to `to`; `false`: it was not held (any more).
+    async fn leave_held(
+        &mut self,
+        tenant: &str,
+        id: &str,
+        to: ReservationState,
+        now_ms: i64,
+    ) -> Result<bool, StorageError>;
+    /// Up to `limit` held reservations past their deadline with their tenants, locked where
+    /// several processes write (skipping those locked by others).
+    async fn due_reservations(&mut self, now_ms: i64, limit: u32) -> Result<Vec<(String, Reservation)>, StorageError>;
+
+    /// Claims the keys of a batch's orders at once, one answer per key in order.
+    async fn claim_keys(
+        &mut self,
+        keys: &[(&TenantId, &IdempotencyRequest)],
+        now_ms: i64,
+    ) -> Result<Vec<Claim>, StorageError>;
+    /// Writes what batch admission decided.
+    async fn write_batch(&mut self, writes: &BatchWrites) -> Result<(), StorageError>;
+}
+
+/// Runs orchestration over a port whose statements complete at once (SQLite on its writer
+/// thread). A future that is still pending after one poll is a bug of that port.
+pub fn run_now<T>(work: impl Future<Output = Result<T, StorageError>>) -> Result<T, StorageError> {
+    work.now_or_never().unwrap_or_else(|| Err(StorageError::Internal("a synchronous storage port suspended".into())))
+}

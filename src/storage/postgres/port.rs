@@ -1,0 +1,773 @@
+//! [`Port`] on PostgreSQL: the statements of [`crate::apply`] for the batcher's connection,
+//! inside the savepoint of one job of a group commit.
+//!
+//! Several processes may write at once, and nothing here relies on being the only writer: a
+//! guarded change is one statement with its ledger row (the INSERT reads the UPDATE's RETURNING,
+//! so a row is written exactly when the guard let the change through); an idempotency key is
+//! claimed by inserting its row first (a concurrent duplicate in another process waits on that
+//! row, then replays); a reservation leaves `held` only by a guarded UPDATE; sweeps lock their
+//! rows with `SKIP LOCKED`.
+
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Row as SqlRow};
+
+use crate::apply::port::{
+    BatchWrites, Change, Claim, Counts, Entry, Gate, LockedRows, Move, NewReservation, Port, Row, Savepoint, View,
+};
+use crate::engine::admission::Row as AdmissionRow;
+use crate::engine::{
+    BucketCounts, Kind, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus, TenantId,
+    MAX_TOTAL,
+};
+use crate::storage::rules::{bucket_rows, BUCKET_COLUMNS, RESOURCE_COLUMNS};
+use crate::storage::{ContentType, IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
+use crate::time::Timestamp;
+
+fn corrupt(what: &str) -> StorageError {
+    StorageError::Internal(format!("unexpected stored value in {what}"))
+}
+
+/// A resource row selected or returned with [`RESOURCE_COLUMNS`].
+pub(super) fn resource_from_row(row: &PgRow) -> Result<ResourceState, StorageError> {
+    let kind: &str = row.try_get("kind")?;
+    let status: &str = row.try_get("status")?;
+    let mode: &str = row.try_get("mode")?;
+    let (Some(kind), Some(status), Some(mode)) =
+        (Kind::from_db(kind), ResourceStatus::from_db(status), Mode::from_db(mode))
+    else {
+        return Err(corrupt("resources"));
+    };
+    Ok(ResourceState {
+        key: row.try_get("key")?,
+        kind,
+        status,
+        available: row.try_get("available")?,
+        reserved: row.try_get("reserved")?,
+        consumed: row.try_get("consumed")?,
+        total: row.try_get("total")?,
+        buckets: row.try_get("buckets")?,
+        mode,
+        version: row.try_get("version")?,
+        updated_at: Timestamp(row.try_get("updated_at")?),
+        bucket_counts: None,
+    })
+}
+
+/// A reservation row with `id, order_id, state, lines, expires_at`.
+pub(super) fn reservation_from_row(row: &PgRow) -> Result<Reservation, StorageError> {
+    let state: &str = row.try_get("state")?;
+    let lines: &str = row.try_get("lines")?;
+    let (Some(state), Ok(lines)) = (ReservationState::from_db(state), serde_json::from_str(lines)) else {
+        return Err(corrupt("reservations"));
+    };
+    Ok(Reservation {
+        id: row.try_get("id")?,
+        order_id: row.try_get("order_id")?,
+        state,
+        lines,
+        expires_at: Timestamp(row.try_get("expires_at")?),
+    })
+}
+
+/// The response stored in an idempotency row (`response_code, response_type, response_body`);
+/// `None` while its key is claimed but not yet answered.
+pub(super) fn stored_response(row: &PgRow) -> Result<Option<StoredResponse>, StorageError> {
+    let code: Option<i32> = row.try_get("response_code")?;
+    let kind: Option<&str> = row.try_get("response_type")?;
+    let body: Option<String> = row.try_get("response_body")?;
+    let (Some(code), Some(kind), Some(body)) = (code, kind, body) else { return Ok(None) };
+    Ok(Some(StoredResponse {
+        status: u16::try_from(code).map_err(|_| corrupt("idempotency.response_code"))?,
+        content_type: ContentType::from_db(kind),
+        body,
+    }))
+}
+
+fn counts(row: &PgRow) -> Result<Counts, StorageError> {
+    Ok(Counts {
+        available: row.try_get("available")?,
+        reserved: row.try_get("reserved")?,
+        consumed: row.try_get("consumed")?,
+        version: row.try_get("version")?,
+    })
+}
+
+/// A guarded UPDATE and its ledger row in one statement. `$1` quantity, `$2` time, `$3` tenant,
+/// `$4` resource, `$5` bucket, `$6` op, `$7` request, `$8` order, `$9` reservation, `$10` plugin
+/// version, and `$11` the kind (an order's deduction or reservation) or the largest total (an
+/// adjustment of a resource row).
+macro_rules! with_ledger {
+    ($update:expr) => {
+        concat!(
+            "WITH changed AS (",
+            $update,
+            " RETURNING available, reserved, consumed, version)
+             INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+                                 available_after, reserved_after, consumed_after, version_after, plugin_version, at)
+             SELECT $3, $4, $5, $6, $1, $7, $8, $9, available, reserved, consumed, version, $10, $2 FROM changed
+             RETURNING available_after AS available, reserved_after AS reserved, consumed_after AS consumed,
+                       version_after AS version"
+        )
+    };
+}
+macro_rules! resource_move {
+    ($set:literal, $guard:literal) => {
+        with_ledger!(concat!(
+            "UPDATE resources SET ",
+            $set,
+            ", version = version + 1, updated_at = $2 WHERE tenant_id = $3 AND key = $4 AND ",
+            $guard
+        ))
+    };
+}
+macro_rules! bucket_move {
+    ($set:literal, $guard:literal) => {
+        with_ledger!(concat!(
+            "UPDATE resource_buckets SET ",
+            $set,
+            ", version = version + 1, updated_at = $2
+             WHERE tenant_id = $3 AND resource_key = $4 AND bucket = $5 AND ",
+            $guard
+        ))
+    };
+}
+
+fn change_sql(row: Row, how: Move, gate: Gate) -> &'static str {
+    match (row, how, gate) {
+        (Row::Resource, Move::Deduct, Gate::Order { .. }) => resource_move!(
+            "available = available - $1, consumed = consumed + $1",
+            "status = 'active' AND mode = 'db' AND available >= $1 AND ($11::text IS NULL OR kind = $11::text)"
+        ),
+        (Row::Resource, Move::Reserve, Gate::Order { .. }) => resource_move!(
+            "available = available - $1, reserved = reserved + $1",
+            "status = 'active' AND mode = 'db' AND available >= $1 AND ($11::text IS NULL OR kind = $11::text)"
+        ),
+        (Row::Resource, Move::Deduct, _) => {
+            resource_move!("available = available - $1, consumed = consumed + $1", "available >= $1")
+        }
+        (Row::Resource, Move::Reserve, _) => {
+            resource_move!("available = available - $1, reserved = reserved + $1", "available >= $1")
+        }
+        (Row::Resource, Move::Confirm, _) => {
+            resource_move!("reserved = reserved - $1, consumed = consumed + $1", "reserved >= $1")
+        }
+        (Row::Resource, Move::Unreserve, _) => {
+            resource_move!("reserved = reserved - $1, available = available + $1", "reserved >= $1")
+        }
+        (Row::Resource, Move::Adjust, _) => resource_move!(
+            "available = available + $1, total = total + $1",
+            "available + $1 >= 0 AND total + $1 <= $11::bigint"
+        ),
+        (Row::Bucket(_), Move::Deduct, _) => {
+            bucket_move!("available = available - $1, consumed = consumed + $1", "available >= $1")
+        }
+        (Row::Bucket(_), Move::Reserve, _) => {
+            bucket_move!("available = available - $1, reserved = reserved + $1", "available >= $1")
+        }
+        (Row::Bucket(_), Move::Confirm, _) => {
+            bucket_move!("reserved = reserved - $1, consumed = consumed + $1", "reserved >= $1")
+        }
+        (Row::Bucket(_), Move::Unreserve, _) => {
+            bucket_move!("reserved = reserved - $1, available = available + $1", "reserved >= $1")
+        }
+        (Row::Bucket(_), Move::Adjust, _) => {
+            bucket_move!("available = available + $1, total = total + $1", "available + $1 >= 0")
+        }
+    }
+}
+
+/// Maps the rows of the batch's locking read (`tenant_id, key, kind, status, mode, buckets,
+/// available, reserved, consumed, version`).
+pub fn locked_rows(rows: &[PgRow]) -> Result<LockedRows, StorageError> {
+    let mut locked = LockedRows::new();
+    for row in rows {
+        let kind: &str = row.try_get("kind")?;
+        let parsed = AdmissionRow {
+            kind: Kind::from_db(kind).ok_or_else(|| corrupt("resources.kind"))?,
+            active: row.try_get::<&str, _>("status")? == ResourceStatus::Active.as_str(),
+            redis: row.try_get::<&str, _>("mode")? == Mode::Redis.as_str(),
+            buckets: row.try_get("buckets")?,
+            available: row.try_get("available")?,
+            reserved: row.try_get("reserved")?,
+            consumed: row.try_get("consumed")?,
+            version: row.try_get("version")?,
+        };
+        locked.entry(row.try_get("tenant_id")?).or_default().insert(row.try_get("key")?, parsed);
+    }
+    Ok(locked)
+}
+
+/// A connection of the batcher (or of a sweep) as a [`Port`].
+pub struct PgPort<'c> {
+    conn: &'c mut PgConnection,
+}
+
+impl<'c> PgPort<'c> {
+    pub fn new(conn: &'c mut PgConnection) -> Self {
+        Self { conn }
+    }
+
+    async fn exec(&mut self, sql: &'static str) -> Result<(), StorageError> {
+        sqlx::query(sql).execute(&mut *self.conn).await?;
+        Ok(())
+    }
+
+    /// The stored outcomes of these keys that have one, by `(tenant, key)`, with their hashes.
+    async fn stored_outcomes(
+        &mut self,
+        tenants: &[String],
+        keys: &[String],
+    ) -> Result<std::collections::HashMap<(String, String), (String, StoredResponse)>, StorageError> {
+        let rows = sqlx::query(
+            "SELECT i.tenant_id, i.key, i.request_hash, i.response_code, i.response_type, i.response_body
+             FROM idempotency i JOIN UNNEST($1::text[], $2::text[]) AS u (tenant_id, key)
+               ON i.tenant_id = u.tenant_id AND i.key = u.key",
+        )
+        .bind(tenants)
+        .bind(keys)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        let mut found = std::collections::HashMap::with_capacity(rows.len());
+        for row in rows {
+            if let Some(response) = stored_response(&row)? {
+                found
+                    .insert((row.try_get("tenant_id")?, row.try_get("key")?), (row.try_get("request_hash")?, response));
+            }
+        }
+        Ok(found)
+    }
+}
+
+fn judged(idem_hash: &str, stored_hash: &str, response: StoredResponse) -> Idempotent {
+    if stored_hash == idem_hash {
+        Idempotent::Replayed(response)
+    } else {
+        Idempotent::Mismatch
+    }
+}
+
+impl Port for PgPort<'_> {
+    /// The INSERT comes first because it is what serialises duplicates across processes: if
+    /// another transaction holds an uncommitted row for the key, `ON CONFLICT` waits for it to
+    /// end, then either inserts (it rolled back) or does nothing (it committed, response and all).
+    async fn claim_key(
+        &mut self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+        now_ms: i64,
+    ) -> Result<Option<Idempotent>, StorageError> {
+        let inserted = sqlx::query(
+            "INSERT INTO idempotency (tenant_id, key, request_hash, created_at) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (tenant_id, key) DO NOTHING",
+        )
+        .bind(tenant.as_str())
+        .bind(idem.key.as_str())
+        .bind(&idem.request_hash)
+        .bind(now_ms)
+        .execute(&mut *self.conn)
+        .await?
+        .rows_affected();
+        if inserted == 1 {
+            return Ok(None);
+        }
+        let row = sqlx::query(
+            "SELECT request_hash, response_code, response_type, response_body FROM idempotency
+             WHERE tenant_id = $1 AND key = $2",
+        )
+        .bind(tenant.as_str())
+        .bind(idem.key.as_str())
+        .fetch_optional(&mut *self.conn)
+        .await?;
+        // The row conflicted a moment ago and is gone now: the purge job removed an expired key in
+        // between. Transient: the retried batch finds the key free.
+        let Some(row) = row else { return Err(StorageError::Unavailable("idempotency key vanished".into())) };
+        let hash: &str = row.try_get("request_hash")?;
+        // Committed rows always carry their response (it is written in the transaction that
+        // inserted them), so a missing one means this transaction claimed it and did not finish.
+        let Some(response) = stored_response(&row)? else {
+            return Err(StorageError::Internal(format!(
+                "idempotency key {} has no stored response",
+                idem.key.as_str()
+            )));
+        };
+        Ok(Some(judged(&idem.request_hash, hash, response)))
+    }
+
+    async fn store_outcome(
+        &mut self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+        response: &StoredResponse,
+        _now_ms: i64,
+    ) -> Result<(), StorageError> {
+        let updated = sqlx::query(
+            "UPDATE idempotency SET response_code = $1, response_type = $2, response_body = $3
+             WHERE tenant_id = $4 AND key = $5",
+        )
+        .bind(i32::from(response.status))
+        .bind(response.content_type.as_str())
+        .bind(&response.body)
+        .bind(tenant.as_str())
+        .bind(idem.key.as_str())
+        .execute(&mut *self.conn)
+        .await?
+        .rows_affected();
+        if updated != 1 {
+            return Err(StorageError::Internal(format!("idempotency key {} was not claimed", idem.key.as_str())));
+        }
+        Ok(())
+    }
+
+    async fn forget_key(&mut self, tenant: &TenantId, idem: &IdempotencyRequest) -> Result<(), StorageError> {
+        sqlx::query("DELETE FROM idempotency WHERE tenant_id = $1 AND key = $2 AND response_code IS NULL")
+            .bind(tenant.as_str())
+            .bind(idem.key.as_str())
+            .execute(&mut *self.conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn savepoint(&mut self, at: Savepoint) -> Result<(), StorageError> {
+        self.exec(match at {
+            Savepoint::Lines => "SAVEPOINT lines",
+            Savepoint::Line => "SAVEPOINT line",
+            Savepoint::Batch => "SAVEPOINT batch",
+        })
+        .await
+    }
+
+    async fn rollback_to(&mut self, at: Savepoint) -> Result<(), StorageError> {
+        self.exec(match at {
+            Savepoint::Lines => "ROLLBACK TO SAVEPOINT lines",
+            Savepoint::Line => "ROLLBACK TO SAVEPOINT line",
+            Savepoint::Batch => "ROLLBACK TO SAVEPOINT batch",
+        })
+        .await
+    }
+
+    async fn release(&mut self, at: Savepoint) -> Result<(), StorageError> {
+        self.exec(match at {
+            Savepoint::Lines => "RELEASE SAVEPOINT lines",
+            Savepoint::Line => "RELEASE SAVEPOINT line",
+            Savepoint::Batch => "RELEASE SAVEPOINT batch",
+        })
+        .await
+    }
+
+    async fn change(&mut self, change: &Change<'_>) -> Result<Option<Counts>, StorageError> {
+        let e = &change.entry;
+        let bucket = match change.row {
+            Row::Resource => 0,
+            Row::Bucket(b) => b,
+        };
+        let query = sqlx::query(change_sql(change.row, change.how, change.gate))
+            .bind(e.qty)
+            .bind(e.at)
+            .bind(e.tenant)
+            .bind(e.resource)
+            .bind(bucket)
+            .bind(e.op.as_str())
+            .bind(e.request_id)
+            .bind(e.order_id)
+            .bind(e.reservation_id)
+            .bind(e.plugin_version);
+        let query = match (change.row, change.how, change.gate) {
+            (Row::Resource, Move::Deduct | Move::Reserve, Gate::Order { kind }) => query.bind(kind.map(Kind::as_str)),
+            (Row::Resource, Move::Adjust, _) => query.bind(MAX_TOTAL),
+            _ => query,
+        };
+        query.fetch_optional(&mut *self.conn).await?.as_ref().map(counts).transpose()
+    }
+
+    async fn append_ledger(&mut self, e: &Entry<'_>, after: Counts) -> Result<(), StorageError> {
+        sqlx::query(
+            "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+                                 available_after, reserved_after, consumed_after, version_after, plugin_version, at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+        )
+        .bind(e.tenant)
+        .bind(e.resource)
+        .bind(e.bucket)
+        .bind(e.op.as_str())
+        .bind(e.qty)
+        .bind(e.request_id)
+        .bind(e.order_id)
+        .bind(e.reservation_id)
+        .bind(after.available)
+        .bind(after.reserved)
+        .bind(after.consumed)
+        .bind(after.version)
+        .bind(e.plugin_version)
+        .bind(e.at)
+        .execute(&mut *self.conn)
+        .await?;
+        Ok(())
+    }
+
+    async fn view(&mut self, tenant: &str, key: &str) -> Result<Option<View>, StorageError> {
+        let row: Option<(String, String, String, i64, i64)> = sqlx::query_as(
+            "SELECT status, kind, mode,
+                    CASE WHEN buckets = 1 THEN available ELSE
+                      (SELECT COALESCE(SUM(b.available), 0)::BIGINT FROM resource_buckets b
+                       WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key) END AS available,
+                    buckets
+             FROM resources r WHERE tenant_id = $1 AND key = $2",
+        )
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(&mut *self.conn)
+        .await?;
+        let Some((status, kind, mode, available, buckets)) = row else { return Ok(None) };
+        let (Some(status), Some(kind), Some(mode)) =
+            (ResourceStatus::from_db(&status), Kind::from_db(&kind), Mode::from_db(&mode))
+        else {
+            return Err(corrupt("resources"));
+        };
+        Ok(Some(View { status, kind, mode, available, buckets }))
+    }
+
+    async fn resource(&mut self, tenant: &str, key: &str) -> Result<Option<ResourceState>, StorageError> {
+        let row = sqlx::query(&format!("SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = $1 AND key = $2"))
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&mut *self.conn)
+            .await?;
+        row.as_ref().map(resource_from_row).transpose()
+    }
+
+    async fn set_status(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        status: ResourceStatus,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError> {
+        let row = sqlx::query(&format!(
+            "UPDATE resources SET status = $1, updated_at = $2 WHERE tenant_id = $3 AND key = $4
+             RETURNING {RESOURCE_COLUMNS}"
+        ))
+        .bind(status.as_str())
+        .bind(now_ms)
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(&mut *self.conn)
+        .await?;
+        row.as_ref().map(resource_from_row).transpose()
+    }
+
+    async fn insert_resource(
+        &mut self,
+        tenant: &str,
+        res: &NewResource,
+        now_ms: i64,
+    ) -> Result<Option<(ResourceState, Counts)>, StorageError> {
+        // A bucketed resource's row holds no counters: its buckets do.
+        let row_total = if res.buckets > 1 { 0 } else { res.total };
+        let row = sqlx::query(&format!(
+            "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
+                                    version, created_at, updated_at)
+             VALUES ($1, $2, $3, 'active', 'db', $6, $4, $4, 0, 0, 1, $5, $5)
+             ON CONFLICT (tenant_id, key) DO NOTHING
+             RETURNING {RESOURCE_COLUMNS}"
+        ))
+        .bind(tenant)
+        .bind(res.key.as_str())
+        .bind(res.kind.as_str())
+        .bind(row_total)
+        .bind(now_ms)
+        .bind(res.buckets.max(1))
+        .fetch_optional(&mut *self.conn)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        Ok(Some((resource_from_row(&row)?, counts(&row)?)))
+    }
+
+    async fn insert_buckets(&mut self, shares: &[i64], e: &Entry<'_>) -> Result<(), StorageError> {
+        let buckets: Vec<i64> = (0..shares.len() as i64).collect();
+        sqlx::query(
+            "WITH created AS (
+                INSERT INTO resource_buckets (tenant_id, resource_key, bucket, total, available, reserved, consumed,
+                                              version, updated_at)
+                SELECT $1, $2, b, s, s, 0, 0, 1, $5 FROM UNNEST($3::bigint[], $4::bigint[]) AS t (b, s)
+                RETURNING bucket, total)
+             INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+                                 available_after, reserved_after, consumed_after, version_after, plugin_version, at)
+             SELECT $1, $2, bucket, $7, total, $8, NULL, NULL, total, 0, 0, 1, $6, $5 FROM created
+             ORDER BY bucket",
+        )
+        .bind(e.tenant)
+        .bind(e.resource)
+        .bind(&buckets)
+        .bind(shares)
+        .bind(e.at)
+        .bind(e.plugin_version)
+        .bind(e.op.as_str())
+        .bind(e.request_id)
+        .execute(&mut *self.conn)
+        .await?;
+        Ok(())
+    }
+
+    async fn buckets(&mut self, tenant: &str, key: &str) -> Result<Vec<BucketCounts>, StorageError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE tenant_id = $1 AND resource_key = $2 ORDER BY bucket"
+        ))
+        .bind(tenant)
+        .bind(key)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        Ok(bucket_rows(&rows)?.into_values().next().unwrap_or_default())
+    }
+
+    /// Each resource row is locked, in the batches' global order, so no batch deducts from its
+    /// buckets meanwhile.
+    async fn uneven_resources(&mut self, limit: u32) -> Result<Vec<(String, String)>, StorageError> {
+        let rows = sqlx::query(
+            "SELECT r.tenant_id, r.key FROM resources r
+             WHERE r.buckets > 1 AND EXISTS (
+                 SELECT 1 FROM resource_buckets b WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key
+                 GROUP BY b.tenant_id, b.resource_key HAVING MAX(b.available) - MIN(b.available) > 1)
+             ORDER BY r.tenant_id COLLATE \"C\", r.key COLLATE \"C\"
+             LIMIT $1
+             FOR UPDATE OF r SKIP LOCKED",
+        )
+        .bind(i64::from(limit))
+        .fetch_all(&mut *self.conn)
+        .await?;
+        rows.iter().map(|row| Ok((row.try_get("tenant_id")?, row.try_get("key")?))).collect()
+    }
+
+    async fn take_limit(&mut self, tenant: &str, limit: &LimitSpec, qty: i64) -> Result<bool, StorageError> {
+        let changed = sqlx::query(
+            "INSERT INTO user_limits (tenant_id, key, used) VALUES ($1, $2, $3)
+             ON CONFLICT (tenant_id, key) DO UPDATE SET used = user_limits.used + EXCLUDED.used
+             WHERE user_limits.used + EXCLUDED.used <= $4",
+        )
+        .bind(tenant)
+        .bind(limit.key.as_str())
+        .bind(qty)
+        .bind(limit.max)
+        .execute(&mut *self.conn)
+        .await?;
+        Ok(changed.rows_affected() == 1)
+    }
+
+    async fn give_back_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError> {
+        sqlx::query("UPDATE user_limits SET used = used - $1 WHERE tenant_id = $2 AND key = $3 AND used >= $1")
+            .bind(qty)
+            .bind(tenant)
+            .bind(key)
+            .execute(&mut *self.conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn insert_reservation(&mut self, r: &NewReservation) -> Result<(), StorageError> {
+        sqlx::query(
+            "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
+             VALUES ($1, $2, $3, 'held', $4, $5, $6, $6)",
+        )
+        .bind(&r.tenant)
+        .bind(&r.id)
+        .bind(&r.order_id)
+        .bind(&r.lines)
+        .bind(r.expires_at)
+        .bind(r.created_at)
+        .execute(&mut *self.conn)
+        .await?;
+        Ok(())
+    }
+
+    async fn reservation(&mut self, tenant: &str, id: &str) -> Result<Option<Reservation>, StorageError> {
+        let row = sqlx::query(
+            "SELECT id, order_id, state, lines, expires_at FROM reservations WHERE tenant_id = $1 AND id = $2",
+        )
+        .bind(tenant)
+        .bind(id)
+        .fetch_optional(&mut *self.conn)
+        .await?;
+        row.as_ref().map(reservation_from_row).transpose()
+    }
+
+    /// Under READ COMMITTED this waits for a concurrent mover's commit and then re-checks
+    /// `state = 'held'` against the committed row, so exactly one move wins.
+    async fn leave_held(
+        &mut self,
+        tenant: &str,
+        id: &str,
+        to: ReservationState,
+        now_ms: i64,
+    ) -> Result<bool, StorageError> {
+        let moved = sqlx::query(
+            "UPDATE reservations SET state = $1, updated_at = $2 WHERE tenant_id = $3 AND id = $4 AND state = 'held'",
+        )
+        .bind(to.as_str())
+        .bind(now_ms)
+        .bind(tenant)
+        .bind(id)
+        .execute(&mut *self.conn)
+        .await?
+        .rows_affected();
+        Ok(moved == 1)
+    }
+
+    /// SKIP LOCKED: the sweepers of several processes each take different due rows, and a row a
+    /// confirm or release is moving right now is left to it.
+    async fn due_reservations(&mut self, now_ms: i64, limit: u32) -> Result<Vec<(String, Reservation)>, StorageError> {
+        let rows = sqlx::query(
+            "SELECT tenant_id, id, order_id, state, lines, expires_at FROM reservations
+             WHERE state = 'held' AND expires_at <= $1 ORDER BY expires_at LIMIT $2
+             FOR UPDATE SKIP LOCKED",
+        )
+        .bind(now_ms)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *self.conn)
+        .await?;
+        rows.iter().map(|row| Ok((row.try_get("tenant_id")?, reservation_from_row(row)?))).collect()
+    }
+
+    /// Inserts every key's row in one statement; those that conflict were used before (committed:
+    /// the insert waited for any transaction holding them) and are answered from their stored
+    /// outcomes, read in one more. A key whose row is gone by then (purged) is left unsure.
+    async fn claim_keys(
+        &mut self,
+        keys: &[(&TenantId, &IdempotencyRequest)],
+        now_ms: i64,
+    ) -> Result<Vec<Claim>, StorageError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let tenants: Vec<String> = keys.iter().map(|(t, _)| t.to_string()).collect();
+        let names: Vec<String> = keys.iter().map(|(_, i)| i.key.to_string()).collect();
+        let hashes: Vec<String> = keys.iter().map(|(_, i)| i.request_hash.clone()).collect();
+        let created = vec![now_ms; keys.len()];
+        let rows = sqlx::query(
+            "INSERT INTO idempotency (tenant_id, key, request_hash, created_at)
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[])
+             ON CONFLICT (tenant_id, key) DO NOTHING
+             RETURNING tenant_id, key",
+        )
+        .bind(&tenants)
+        .bind(&names)
+        .bind(&hashes)
+        .bind(&created)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        let ours: std::collections::HashSet<(String, String)> = rows
+            .iter()
+            .map(|r| Ok((r.try_get("tenant_id")?, r.try_get("key")?)))
+            .collect::<Result<_, StorageError>>()?;
+        let (used_tenants, used_keys): (Vec<String>, Vec<String>) = tenants
+            .iter()
+            .zip(&names)
+            .filter(|(t, k)| !ours.contains(&((*t).clone(), (*k).clone())))
+            .map(|(t, k)| (t.clone(), k.clone()))
+            .unzip();
+        let mut stored = if used_tenants.is_empty() {
+            Default::default()
+        } else {
+            self.stored_outcomes(&used_tenants, &used_keys).await?
+        };
+        Ok(keys
+            .iter()
+            .zip(tenants.into_iter().zip(names))
+            .map(|((_, idem), id)| {
+                if ours.contains(&id) {
+                    return Claim::Ours;
+                }
+                match stored.remove(&id) {
+                    Some((hash, response)) => Claim::Answered(judged(&idem.request_hash, &hash, response)),
+                    None => Claim::Unsure,
+                }
+            })
+            .collect())
+    }
+
+    /// Every write in one statement (one round trip): the changed rows (guarded by the version
+    /// read), the ledger rows in order, the reservations, the stored responses. Data-modifying
+    /// CTEs all run to completion; the counts prove the guards held.
+    async fn write_batch(&mut self, w: &BatchWrites) -> Result<(), StorageError> {
+        fn col<T, U>(items: &[T], f: impl Fn(&T) -> U) -> Vec<U> {
+            items.iter().map(f).collect()
+        }
+        let (c, l, r, o) = (&w.rows, &w.ledger, &w.reservations, &w.outcomes);
+        let counts = sqlx::query(
+            "WITH written AS (
+                UPDATE resources r SET available = u.available, reserved = u.reserved, consumed = u.consumed,
+                       version = u.version, updated_at = $8
+                FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[])
+                     AS u (tenant_id, key, available, reserved, consumed, version, was)
+                WHERE r.tenant_id = u.tenant_id AND r.key = u.key AND r.version = u.was
+                RETURNING 1),
+             ledgered AS (
+                INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+                                    available_after, reserved_after, consumed_after, version_after, plugin_version, at)
+                SELECT t, k, 0, o, q, rq, oi, ri, a, rs, cs, v, pv, at
+                FROM UNNEST($9::text[], $10::text[], $11::text[], $12::bigint[], $13::text[], $14::text[], $15::text[],
+                            $16::bigint[], $17::bigint[], $18::bigint[], $19::bigint[], $20::bigint[], $21::bigint[])
+                     WITH ORDINALITY AS u (t, k, o, q, rq, oi, ri, a, rs, cs, v, pv, at, n)
+                ORDER BY n
+                RETURNING 1),
+             held AS (
+                INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
+                SELECT t, id, o, 'held', ls, e, cr, cr
+                FROM UNNEST($22::text[], $23::text[], $24::text[], $25::text[], $26::bigint[], $27::bigint[])
+                     AS u (t, id, o, ls, e, cr)
+                RETURNING 1),
+             answered AS (
+                UPDATE idempotency i SET response_code = u.code, response_type = u.kind, response_body = u.body
+                FROM UNNEST($28::text[], $29::text[], $30::int[], $31::text[], $32::text[])
+                     AS u (tenant_id, key, code, kind, body)
+                WHERE i.tenant_id = u.tenant_id AND i.key = u.key
+                RETURNING 1)
+             SELECT (SELECT COUNT(*) FROM written) AS written, (SELECT COUNT(*) FROM ledgered) AS ledgered,
+                    (SELECT COUNT(*) FROM held) AS held, (SELECT COUNT(*) FROM answered) AS answered",
+        )
+        .bind(col(c, |x| x.tenant.clone()))
+        .bind(col(c, |x| x.key.clone()))
+        .bind(col(c, |x| x.after.available))
+        .bind(col(c, |x| x.after.reserved))
+        .bind(col(c, |x| x.after.consumed))
+        .bind(col(c, |x| x.after.version))
+        .bind(col(c, |x| x.read_version))
+        .bind(w.at)
+        .bind(col(l, |x| x.tenant.clone()))
+        .bind(col(l, |x| x.resource.clone()))
+        .bind(col(l, |x| x.op.as_str()))
+        .bind(col(l, |x| x.qty))
+        .bind(col(l, |x| x.request_id.clone()))
+        .bind(col(l, |x| x.order_id.clone()))
+        .bind(col(l, |x| x.reservation_id.clone()))
+        .bind(col(l, |x| x.after.available))
+        .bind(col(l, |x| x.after.reserved))
+        .bind(col(l, |x| x.after.consumed))
+        .bind(col(l, |x| x.after.version))
+        .bind(col(l, |x| x.plugin_version))
+        .bind(col(l, |x| x.at))
+        .bind(col(r, |x| x.tenant.clone()))
+        .bind(col(r, |x| x.id.clone()))
+        .bind(col(r, |x| x.order_id.clone()))
+        .bind(col(r, |x| x.lines.clone()))
+        .bind(col(r, |x| x.expires_at))
+        .bind(col(r, |x| x.created_at))
+        .bind(col(o, |x| x.tenant.clone()))
+        .bind(col(o, |x| x.key.clone()))
+        .bind(col(o, |x| i32::from(x.response.status)))
+        .bind(col(o, |x| x.response.content_type.as_str()))
+        .bind(col(o, |x| x.response.body.clone()))
+        .fetch_one(&mut *self.conn)
+        .await?;
+        let count = |name: &str| -> Result<u64, StorageError> { Ok(counts.try_get::<i64, _>(name)?.max(0) as u64) };
+        for (name, want) in [("written", c.len()), ("ledgered", l.len()), ("held", r.len()), ("answered", o.len())] {
+            if count(name)? != want as u64 {
+                // The rows are locked and the keys claimed by this transaction: nothing else can
+                // have moved them. A mismatch is a bug; the batch is decided again order by order.
+                return Err(StorageError::Internal(format!(
+                    "batch admission wrote {name} {} times, not {want}",
+                    count(name)?
+                )));
+            }
+        }
+        Ok(())
+    }
+}

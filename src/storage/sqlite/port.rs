@@ -1,0 +1,614 @@
+//! [`Port`] on SQLite: the statements of [`crate::apply`] for the writer thread's connection.
+//! Every method completes at once (the writer drives the orchestration with
+//! [`crate::apply::port::run_now`]); statements are prepared once per connection.
+//!
+//! There is one writer, so nothing is locked and nothing can change between a read and the
+//! write that follows it; a key is "claimed" by finding no record for it.
+
+use std::collections::HashMap;
+
+use rusqlite::{params, Connection, OptionalExtension, Row as SqlRow};
+
+use crate::apply::port::{
+    BatchWrites, Change, Claim, Counts, Entry, Gate, LockedRows, Move, NewReservation, Port, Row, Savepoint, View,
+};
+use crate::engine::admission::Row as AdmissionRow;
+use crate::engine::{
+    BucketCounts, Kind, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus, TenantId,
+    MAX_TOTAL,
+};
+use crate::storage::rules::RESOURCE_COLUMNS;
+use crate::storage::{ContentType, IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
+use crate::time::Timestamp;
+
+pub(super) fn corrupt(what: &str) -> StorageError {
+    StorageError::Internal(format!("unexpected stored value in {what}"))
+}
+
+/// A resource selected as [`RESOURCE_COLUMNS`].
+pub(super) fn resource_from_row(row: &SqlRow<'_>) -> rusqlite::Result<Result<ResourceState, StorageError>> {
+    let kind: String = row.get("kind")?;
+    let status: String = row.get("status")?;
+    let mode: String = row.get("mode")?;
+    let (Some(kind), Some(status), Some(mode)) =
+        (Kind::from_db(&kind), ResourceStatus::from_db(&status), Mode::from_db(&mode))
+    else {
+        return Ok(Err(corrupt("resources")));
+    };
+    Ok(Ok(ResourceState {
+        key: row.get("key")?,
+        kind,
+        status,
+        available: row.get("available")?,
+        reserved: row.get("reserved")?,
+        consumed: row.get("consumed")?,
+        total: row.get("total")?,
+        buckets: row.get("buckets")?,
+        mode,
+        version: row.get("version")?,
+        updated_at: Timestamp(row.get("updated_at")?),
+        bucket_counts: None,
+    }))
+}
+
+fn reservation_from_row(row: &SqlRow<'_>) -> rusqlite::Result<Result<Reservation, StorageError>> {
+    let state: String = row.get("state")?;
+    let lines: String = row.get("lines")?;
+    let (Some(state), Ok(lines)) = (ReservationState::from_db(&state), serde_json::from_str(&lines)) else {
+        return Ok(Err(corrupt("reservations")));
+    };
+    Ok(Ok(Reservation {
+        id: row.get("id")?,
+        order_id: row.get("order_id")?,
+        state,
+        lines,
+        expires_at: Timestamp(row.get("expires_at")?),
+    }))
+}
+
+fn counts(row: &SqlRow<'_>) -> rusqlite::Result<Counts> {
+    Ok(Counts {
+        available: row.get("available")?,
+        reserved: row.get("reserved")?,
+        consumed: row.get("consumed")?,
+        version: row.get("version")?,
+    })
+}
+
+/// The guarded UPDATEs: `?1` quantity, `?2` time, `?3` tenant, `?4` resource, and `?5` the kind
+/// (an order's deduction or reservation), the largest total (an adjustment) or the bucket.
+macro_rules! resource_move {
+    ($set:literal, $guard:literal) => {
+        concat!(
+            "UPDATE resources SET ",
+            $set,
+            ", version = version + 1, updated_at = ?2 WHERE tenant_id = ?3 AND key = ?4 AND ",
+            $guard,
+            " RETURNING available, reserved, consumed, version"
+        )
+    };
+}
+macro_rules! bucket_move {
+    ($set:literal, $guard:literal) => {
+        concat!(
+            "UPDATE resource_buckets SET ",
+            $set,
+            ", version = version + 1, updated_at = ?2
+             WHERE tenant_id = ?3 AND resource_key = ?4 AND bucket = ?5 AND ",
+            $guard,
+            " RETURNING available, reserved, consumed, version"
+        )
+    };
+}
+fn change_sql(row: Row, how: Move, gate: Gate) -> &'static str {
+    match (row, how, gate) {
+        (Row::Resource, Move::Deduct, Gate::Order { .. }) => resource_move!(
+            "available = available - ?1, consumed = consumed + ?1",
+            "status = 'active' AND mode = 'db' AND available >= ?1 AND (?5 IS NULL OR kind = ?5)"
+        ),
+        (Row::Resource, Move::Reserve, Gate::Order { .. }) => resource_move!(
+            "available = available - ?1, reserved = reserved + ?1",
+            "status = 'active' AND mode = 'db' AND available >= ?1 AND (?5 IS NULL OR kind = ?5)"
+        ),
+        (Row::Resource, Move::Deduct, _) => {
+            resource_move!("available = available - ?1, consumed = consumed + ?1", "available >= ?1")
+        }
+        (Row::Resource, Move::Reserve, _) => {
+            resource_move!("available = available - ?1, reserved = reserved + ?1", "available >= ?1")
+        }
+        (Row::Resource, Move::Confirm, _) => {
+            resource_move!("reserved = reserved - ?1, consumed = consumed + ?1", "reserved >= ?1")
+        }
+        (Row::Resource, Move::Unreserve, _) => {
+            resource_move!("reserved = reserved - ?1, available = available + ?1", "reserved >= ?1")
+        }
+        (Row::Resource, Move::Adjust, _) => {
+            resource_move!("available = available + ?1, total = total + ?1", "available + ?1 >= 0 AND total + ?1 <= ?5")
+        }
+        (Row::Bucket(_), Move::Deduct, _) => {
+            bucket_move!("available = available - ?1, consumed = consumed + ?1", "available >= ?1")
+        }
+        (Row::Bucket(_), Move::Reserve, _) => {
+            bucket_move!("available = available - ?1, reserved = reserved + ?1", "available >= ?1")
+        }
+        (Row::Bucket(_), Move::Confirm, _) => {
+            bucket_move!("reserved = reserved - ?1, consumed = consumed + ?1", "reserved >= ?1")
+        }
+        (Row::Bucket(_), Move::Unreserve, _) => {
+            bucket_move!("reserved = reserved - ?1, available = available + ?1", "reserved >= ?1")
+        }
+        (Row::Bucket(_), Move::Adjust, _) => {
+            bucket_move!("available = available + ?1, total = total + ?1", "available + ?1 >= 0")
+        }
+    }
+}
+
+const INSERT_LEDGER: &str =
+    "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+                         available_after, reserved_after, consumed_after, version_after, plugin_version, at)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)";
+
+const INSERT_OUTCOME: &str =
+    "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body, created_at)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
+
+const INSERT_RESERVATION: &str =
+    "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
+     VALUES (?1, ?2, ?3, 'held', ?4, ?5, ?6, ?6)";
+
+/// The writer's connection as a [`Port`].
+pub struct SqlitePort<'c> {
+    conn: &'c Connection,
+}
+
+impl<'c> SqlitePort<'c> {
+    pub fn new(conn: &'c Connection) -> Self {
+        Self { conn }
+    }
+
+    fn exec(&self, sql: &str) -> Result<(), StorageError> {
+        self.conn.prepare_cached(sql)?.execute([])?;
+        Ok(())
+    }
+
+    fn lookup(&self, tenant: &TenantId, idem: &IdempotencyRequest) -> Result<Option<Idempotent>, StorageError> {
+        let row = self
+            .conn
+            .prepare_cached(
+                "SELECT request_hash, response_code, response_type, response_body FROM idempotency
+                 WHERE tenant_id = ?1 AND key = ?2",
+            )?
+            .query_row(params![tenant.as_str(), idem.key.as_str()], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, i64>(1)?,
+                    row.get::<_, String>(2)?,
+                    row.get::<_, String>(3)?,
+                ))
+            })
+            .optional()?;
+        let Some((hash, status, kind, body)) = row else { return Ok(None) };
+        if hash != idem.request_hash {
+            return Ok(Some(Idempotent::Mismatch));
+        }
+        Ok(Some(Idempotent::Replayed(StoredResponse {
+            status: u16::try_from(status).map_err(|_| corrupt("idempotency.response_code"))?,
+            content_type: ContentType::from_db(&kind),
+            body,
+        })))
+    }
+
+    fn ledger(&self, e: &Entry<'_>, after: Counts) -> Result<(), StorageError> {
+        self.conn.prepare_cached(INSERT_LEDGER)?.execute(params![
+            e.tenant,
+            e.resource,
+            e.bucket,
+            e.op.as_str(),
+            e.qty,
+            e.request_id,
+            e.order_id,
+            e.reservation_id,
+            after.available,
+            after.reserved,
+            after.consumed,
+            after.version,
+            e.plugin_version,
+            e.at
+        ])?;
+        Ok(())
+    }
+
+    /// The resource rows of these `(tenant, key)` pairs that exist, as batch admission judges them.
+    pub fn admission_rows<'k>(
+        &self,
+        wanted: impl IntoIterator<Item = (&'k str, &'k str)>,
+    ) -> Result<LockedRows, StorageError> {
+        let mut rows = LockedRows::new();
+        let mut statement = self.conn.prepare_cached(
+            "SELECT kind, status, mode, buckets, available, reserved, consumed, version
+             FROM resources WHERE tenant_id = ?1 AND key = ?2",
+        )?;
+        for (tenant, key) in wanted {
+            if rows.get(tenant).is_some_and(|r: &HashMap<String, AdmissionRow>| r.contains_key(key)) {
+                continue;
+            }
+            let row = statement
+                .query_row(params![tenant, key], |row| {
+                    Ok((
+                        row.get::<_, String>(0)?,
+                        row.get::<_, String>(1)?,
+                        row.get::<_, String>(2)?,
+                        row.get(3)?,
+                        row.get(4)?,
+                        row.get(5)?,
+                        row.get(6)?,
+                        row.get(7)?,
+                    ))
+                })
+                .optional()?;
+            let Some((kind, status, mode, buckets, available, reserved, consumed, version)) = row else { continue };
+            let parsed = AdmissionRow {
+                kind: Kind::from_db(&kind).ok_or_else(|| corrupt("resources.kind"))?,
+                active: status == ResourceStatus::Active.as_str(),
+                redis: mode == Mode::Redis.as_str(),
+                buckets,
+                available,
+                reserved,
+                consumed,
+                version,
+            };
+            rows.entry(tenant.to_string()).or_default().insert(key.to_string(), parsed);
+        }
+        Ok(rows)
+    }
+}
+
+impl Port for SqlitePort<'_> {
+    async fn claim_key(
+        &mut self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+        _now_ms: i64,
+    ) -> Result<Option<Idempotent>, StorageError> {
+        self.lookup(tenant, idem)
+    }
+
+    async fn store_outcome(
+        &mut self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+        response: &StoredResponse,
+        now_ms: i64,
+    ) -> Result<(), StorageError> {
+        self.conn.prepare_cached(INSERT_OUTCOME)?.execute(params![
+            tenant.as_str(),
+            idem.key.as_str(),
+            idem.request_hash,
+            i64::from(response.status),
+            response.content_type.as_str(),
+            response.body,
+            now_ms
+        ])?;
+        Ok(())
+    }
+
+    async fn forget_key(&mut self, _tenant: &TenantId, _idem: &IdempotencyRequest) -> Result<(), StorageError> {
+        // Nothing was written for the key.
+        Ok(())
+    }
+
+    async fn savepoint(&mut self, at: Savepoint) -> Result<(), StorageError> {
+        self.exec(match at {
+            Savepoint::Lines => "SAVEPOINT lines",
+            Savepoint::Line => "SAVEPOINT line",
+            Savepoint::Batch => "SAVEPOINT batch",
+        })
+    }
+
+    async fn rollback_to(&mut self, at: Savepoint) -> Result<(), StorageError> {
+        self.exec(match at {
+            Savepoint::Lines => "ROLLBACK TO lines",
+            Savepoint::Line => "ROLLBACK TO line",
+            Savepoint::Batch => "ROLLBACK TO batch",
+        })
+    }
+
+    async fn release(&mut self, at: Savepoint) -> Result<(), StorageError> {
+        self.exec(match at {
+            Savepoint::Lines => "RELEASE lines",
+            Savepoint::Line => "RELEASE line",
+            Savepoint::Batch => "RELEASE batch",
+        })
+    }
+
+    async fn change(&mut self, change: &Change<'_>) -> Result<Option<Counts>, StorageError> {
+        let e = &change.entry;
+        let mut statement = self.conn.prepare_cached(change_sql(change.row, change.how, change.gate))?;
+        let after = match (change.row, change.how, change.gate) {
+            (Row::Bucket(bucket), ..) => {
+                statement.query_row(params![e.qty, e.at, e.tenant, e.resource, bucket], counts).optional()?
+            }
+            (Row::Resource, Move::Deduct | Move::Reserve, Gate::Order { kind }) => statement
+                .query_row(params![e.qty, e.at, e.tenant, e.resource, kind.map(Kind::as_str)], counts)
+                .optional()?,
+            (Row::Resource, Move::Adjust, _) => {
+                statement.query_row(params![e.qty, e.at, e.tenant, e.resource, MAX_TOTAL], counts).optional()?
+            }
+            (Row::Resource, ..) => {
+                statement.query_row(params![e.qty, e.at, e.tenant, e.resource], counts).optional()?
+            }
+        };
+        if let Some(after) = after {
+            self.ledger(e, after)?;
+        }
+        Ok(after)
+    }
+
+    async fn append_ledger(&mut self, entry: &Entry<'_>, after: Counts) -> Result<(), StorageError> {
+        self.ledger(entry, after)
+    }
+
+    async fn view(&mut self, tenant: &str, key: &str) -> Result<Option<View>, StorageError> {
+        let row = self
+            .conn
+            .prepare_cached(
+                "SELECT status, kind, mode,
+                        CASE WHEN buckets = 1 THEN available ELSE
+                          (SELECT COALESCE(SUM(b.available), 0) FROM resource_buckets b
+                           WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key) END,
+                        buckets
+                 FROM resources r WHERE tenant_id = ?1 AND key = ?2",
+            )?
+            .query_row(params![tenant, key], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, String>(2)?,
+                    row.get::<_, i64>(3)?,
+                    row.get::<_, i64>(4)?,
+                ))
+            })
+            .optional()?;
+        let Some((status, kind, mode, available, buckets)) = row else { return Ok(None) };
+        let (Some(status), Some(kind), Some(mode)) =
+            (ResourceStatus::from_db(&status), Kind::from_db(&kind), Mode::from_db(&mode))
+        else {
+            return Err(corrupt("resources"));
+        };
+        Ok(Some(View { status, kind, mode, available, buckets }))
+    }
+
+    async fn resource(&mut self, tenant: &str, key: &str) -> Result<Option<ResourceState>, StorageError> {
+        self.conn
+            .prepare_cached(&format!("SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = ?1 AND key = ?2"))?
+            .query_row(params![tenant, key], resource_from_row)
+            .optional()?
+            .transpose()
+    }
+
+    async fn set_status(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        status: ResourceStatus,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError> {
+        self.conn
+            .prepare_cached(&format!(
+                "UPDATE resources SET status = ?1, updated_at = ?2 WHERE tenant_id = ?3 AND key = ?4
+                 RETURNING {RESOURCE_COLUMNS}"
+            ))?
+            .query_row(params![status.as_str(), now_ms, tenant, key], resource_from_row)
+            .optional()?
+            .transpose()
+    }
+
+    async fn insert_resource(
+        &mut self,
+        tenant: &str,
+        res: &NewResource,
+        now_ms: i64,
+    ) -> Result<Option<(ResourceState, Counts)>, StorageError> {
+        // A bucketed resource's row holds no counters: its buckets do.
+        let row_total = if res.buckets > 1 { 0 } else { res.total };
+        let row = self
+            .conn
+            .prepare_cached(&format!(
+                "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved,
+                                        consumed, version, created_at, updated_at)
+                 VALUES (?1, ?2, ?3, 'active', 'db', ?6, ?4, ?4, 0, 0, 1, ?5, ?5)
+                 ON CONFLICT (tenant_id, key) DO NOTHING
+                 RETURNING {RESOURCE_COLUMNS}"
+            ))?
+            .query_row(
+                params![tenant, res.key.as_str(), res.kind.as_str(), row_total, now_ms, res.buckets.max(1)],
+                |row| Ok((resource_from_row(row)?, counts(row)?)),
+            )
+            .optional()?;
+        let Some((state, counts)) = row else { return Ok(None) };
+        Ok(Some((state?, counts)))
+    }
+
+    async fn insert_buckets(&mut self, shares: &[i64], entry: &Entry<'_>) -> Result<(), StorageError> {
+        for (bucket, &share) in shares.iter().enumerate() {
+            let bucket = bucket as i64;
+            let after = self
+                .conn
+                .prepare_cached(
+                    "INSERT INTO resource_buckets (tenant_id, resource_key, bucket, total, available, reserved,
+                                                   consumed, version, updated_at)
+                     VALUES (?1, ?2, ?3, ?4, ?4, 0, 0, 1, ?5)
+                     RETURNING available, reserved, consumed, version",
+                )?
+                .query_row(params![entry.tenant, entry.resource, bucket, share, entry.at], counts)?;
+            self.ledger(&Entry { bucket, qty: share, ..*entry }, after)?;
+        }
+        Ok(())
+    }
+
+    async fn buckets(&mut self, tenant: &str, key: &str) -> Result<Vec<BucketCounts>, StorageError> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT bucket, available, reserved, consumed, version, updated_at FROM resource_buckets
+                 WHERE tenant_id = ?1 AND resource_key = ?2 ORDER BY bucket",
+            )?
+            .query_map(params![tenant, key], |row| {
+                Ok(BucketCounts {
+                    bucket: row.get(0)?,
+                    available: row.get(1)?,
+                    reserved: row.get(2)?,
+                    consumed: row.get(3)?,
+                    version: row.get(4)?,
+                    updated_at_ms: row.get(5)?,
+                })
+            })?
+            .collect::<rusqlite::Result<_>>()?)
+    }
+
+    async fn uneven_resources(&mut self, limit: u32) -> Result<Vec<(String, String)>, StorageError> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT b.tenant_id, b.resource_key FROM resource_buckets b
+                 JOIN resources r ON r.tenant_id = b.tenant_id AND r.key = b.resource_key
+                 WHERE r.buckets > 1
+                 GROUP BY b.tenant_id, b.resource_key HAVING MAX(b.available) - MIN(b.available) > 1
+                 LIMIT ?1",
+            )?
+            .query_map(params![i64::from(limit)], |row| Ok((row.get(0)?, row.get(1)?)))?
+            .collect::<rusqlite::Result<_>>()?)
+    }
+
+    async fn take_limit(&mut self, tenant: &str, limit: &LimitSpec, qty: i64) -> Result<bool, StorageError> {
+        let changed = self
+            .conn
+            .prepare_cached(
+                "INSERT INTO user_limits (tenant_id, key, used) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (tenant_id, key) DO UPDATE SET used = used + excluded.used
+                 WHERE used + excluded.used <= ?4",
+            )?
+            .execute(params![tenant, limit.key.as_str(), qty, limit.max])?;
+        Ok(changed == 1)
+    }
+
+    async fn give_back_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError> {
+        self.conn
+            .prepare_cached("UPDATE user_limits SET used = used - ?1 WHERE tenant_id = ?2 AND key = ?3 AND used >= ?1")?
+            .execute(params![qty, tenant, key])?;
+        Ok(())
+    }
+
+    async fn insert_reservation(&mut self, r: &NewReservation) -> Result<(), StorageError> {
+        self.conn.prepare_cached(INSERT_RESERVATION)?.execute(params![
+            r.tenant,
+            r.id,
+            r.order_id,
+            r.lines,
+            r.expires_at,
+            r.created_at
+        ])?;
+        Ok(())
+    }
+
+    async fn reservation(&mut self, tenant: &str, id: &str) -> Result<Option<Reservation>, StorageError> {
+        self.conn
+            .prepare_cached(
+                "SELECT id, order_id, state, lines, expires_at FROM reservations WHERE tenant_id = ?1 AND id = ?2",
+            )?
+            .query_row(params![tenant, id], reservation_from_row)
+            .optional()?
+            .transpose()
+    }
+
+    async fn leave_held(
+        &mut self,
+        tenant: &str,
+        id: &str,
+        to: ReservationState,
+        now_ms: i64,
+    ) -> Result<bool, StorageError> {
+        let moved = self
+            .conn
+            .prepare_cached(
+                "UPDATE reservations SET state = ?1, updated_at = ?2
+                 WHERE tenant_id = ?3 AND id = ?4 AND state = 'held'",
+            )?
+            .execute(params![to.as_str(), now_ms, tenant, id])?;
+        Ok(moved == 1)
+    }
+
+    async fn due_reservations(&mut self, now_ms: i64, limit: u32) -> Result<Vec<(String, Reservation)>, StorageError> {
+        let due: Vec<(String, Result<Reservation, StorageError>)> = self
+            .conn
+            .prepare_cached(
+                "SELECT tenant_id, id, order_id, state, lines, expires_at FROM reservations
+                 WHERE state = 'held' AND expires_at <= ?1 ORDER BY expires_at LIMIT ?2",
+            )?
+            .query_map(params![now_ms, i64::from(limit)], |row| Ok((row.get(0)?, reservation_from_row(row)?)))?
+            .collect::<rusqlite::Result<_>>()?;
+        due.into_iter().map(|(tenant, r)| Ok((tenant, r?))).collect()
+    }
+
+    async fn claim_keys(
+        &mut self,
+        keys: &[(&TenantId, &IdempotencyRequest)],
+        _now_ms: i64,
+    ) -> Result<Vec<Claim>, StorageError> {
+        keys.iter().map(|(tenant, idem)| Ok(self.lookup(tenant, idem)?.map_or(Claim::Ours, Claim::Answered))).collect()
+    }
+
+    async fn write_batch(&mut self, w: &BatchWrites) -> Result<(), StorageError> {
+        for row in &w.rows {
+            let written = self
+                .conn
+                .prepare_cached(
+                    "UPDATE resources SET available = ?1, reserved = ?2, consumed = ?3, version = ?4, updated_at = ?5
+                     WHERE tenant_id = ?6 AND key = ?7 AND version = ?8",
+                )?
+                .execute(params![
+                    row.after.available,
+                    row.after.reserved,
+                    row.after.consumed,
+                    row.after.version,
+                    w.at,
+                    row.tenant,
+                    row.key,
+                    row.read_version
+                ])?;
+            if written != 1 {
+                return Err(StorageError::Internal(format!("resource {} changed under the writer", row.key)));
+            }
+        }
+        for l in &w.ledger {
+            let entry = Entry {
+                tenant: &l.tenant,
+                resource: &l.resource,
+                bucket: 0,
+                op: l.op,
+                qty: l.qty,
+                request_id: &l.request_id,
+                order_id: Some(&l.order_id),
+                reservation_id: l.reservation_id.as_deref(),
+                plugin_version: Some(l.plugin_version),
+                at: l.at,
+            };
+            self.ledger(&entry, l.after)?;
+        }
+        for r in &w.reservations {
+            self.insert_reservation(r).await?;
+        }
+        for o in &w.outcomes {
+            self.conn.prepare_cached(INSERT_OUTCOME)?.execute(params![
+                o.tenant,
+                o.key,
+                o.request_hash,
+                i64::from(o.response.status),
+                o.response.content_type.as_str(),
+                o.response.body,
+                o.at
+            ])?;
+        }
+        Ok(())
+    }
+}
