@@ -258,9 +258,8 @@ pub struct RedisConfig {
     pub claim_idle_ms: u64,
     /// How long a warm or a switch out of redis mode waits for the backlog to settle.
     pub drain_timeout_ms: u64,
-    /// Read the database's idempotency record before each redis-mode sale, so a replay after
-    /// Redis lost its data (or of a key used on the database path) is answered from there. Off:
-    /// one database read less per sale; replays then rely on Redis alone.
+    /// Accepted and ignored (a warning when `false`): every mutating request looks its key up
+    /// in the database first ([`crate::pipeline`]), so a retry always gets its first answer.
     pub replay_from_database: bool,
 }
 

@@ -4,10 +4,12 @@
 //! Crate map:
 //! - [`api`]: the REST contract over axum: extractors, handlers, problem+json, OpenAPI.
 //! - [`engine`]: the pure domain: newtypes, plans, order outcomes, ledger arithmetic.
+//! - [`pipeline`]: the one path of every mutating request: idempotency lookup first, validate,
+//!   plan, route (database or redis mode), execute.
 //! - [`apply`]: every state change on the database, written once over a narrow storage port.
 //! - [`storage`]: the storage trait and its backends (SQLite, PostgreSQL), each with group commit;
 //!   a backend is SQL text and plumbing behind [`apply::port::Port`].
-//! - [`hotpath`]: redis mode (flash sales): Lua pre-deduction, stream write-behind, sold-out.
+//! - [`redis_mode`]: redis mode (flash sales): Lua pre-deduction, stream write-behind, sold-out.
 //! - [`jobs`]: reservation expiry, reconciliation, idempotency purge, Redis settlement.
 //! - [`plugin`]: tenant planning plugins (WebAssembly components) run by wasmtime.
 //! - [`auth`]: API keys and the admin token (hashed, constant-time).
@@ -22,11 +24,12 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod engine;
-pub mod hotpath;
 pub mod jobs;
+pub mod pipeline;
 pub mod plugin;
 pub mod problem;
 pub mod ratelimit;
+pub mod redis_mode;
 pub mod startup;
 pub mod storage;
 pub mod telemetry;

@@ -14,6 +14,7 @@ use crate::auth::{self, Authenticator};
 use crate::config::{Config, RunMode};
 use crate::engine::{ResourceKey, TenantId};
 use crate::jobs::{self, JobSettings};
+use crate::pipeline::{OrderSettings, Pipeline};
 use crate::plugin::{PlanPool, PluginHost, Registry};
 use crate::ratelimit::TenantLimiter;
 use crate::storage::postgres::{PgSettings, PgStorage};
@@ -177,25 +178,32 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     } else {
         println!("create a tenant with POST /v1/admin/tenants and the admin token");
     }
+    if !config.redis.replay_from_database {
+        tracing::warn!(
+            "[redis] replay_from_database = false is ignored: every mutating request looks its key up first"
+        );
+    }
+    let redis = crate::redis_mode::RedisMode::from_config(
+        &config.redis,
+        config.idempotency.retention_hours.saturating_mul(3600),
+    )
+    .context("configuring redis")?
+    .map(Arc::new);
+    let orders =
+        OrderSettings { max_lines: config.orders.max_lines, default_ttl_seconds: config.orders.default_ttl_seconds };
     let state = Arc::new(AppState {
         storage: storage.clone(),
         auth: Authenticator::new(admin_hash, Duration::from_millis(config.auth.cache_ttl_ms)),
         limits: TenantLimiter::new(config.rate_limits.default_limit(), config.rate_limits.max_tenants),
-        plugins,
+        plugins: plugins.clone(),
         settings: ApiSettings {
             body_limit_bytes: config.server.body_limit_bytes,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
-            max_lines: config.orders.max_lines,
-            default_ttl_seconds: config.orders.default_ttl_seconds,
             max_plugin_versions: config.plugins.max_versions_per_tenant,
         },
         metrics: Some(metrics),
-        hotpath: crate::hotpath::Hotpath::from_config(
-            &config.redis,
-            config.idempotency.retention_hours.saturating_mul(3600),
-        )
-        .context("configuring redis")?
-        .map(Arc::new),
+        redis: redis.clone(),
+        pipeline: Pipeline::new(storage.clone(), plugins, redis, orders),
     });
     run(listener, state, &config, shutdown_signal()).await
 }
@@ -222,14 +230,14 @@ pub async fn run(
         rebalance_batch: config.buckets.rebalance_batch.max(1),
     };
     let mut jobs = jobs::spawn(storage.clone(), job_settings, jobs_stopped.clone());
-    if let Some(hot) = &state.hotpath {
+    if let Some(hot) = &state.redis {
         // Know the redis-mode resources before the first request (best effort: the settlement
         // loop reads them again every second).
         if let Err(err) = hot.refresh_modes(storage.as_ref()).await {
             tracing::warn!(error = %err, "listing redis-mode resources failed");
         }
-        jobs.push(jobs::settle::spawn(hot.clone(), storage.clone(), jobs_stopped.clone()));
-        jobs.push(crate::hotpath::soldout::spawn(hot.clone(), jobs_stopped));
+        jobs.push(jobs::settlement::spawn(hot.clone(), storage.clone(), jobs_stopped.clone()));
+        jobs.push(crate::redis_mode::soldout::spawn(hot.clone(), jobs_stopped));
     }
 
     let (signalled_tx, mut signalled_rx) = watch::channel(false);

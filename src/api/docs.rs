@@ -6,7 +6,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{Content, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
-use super::{admin, hot, ops, orders, plugins, reservations, resources};
+use super::{admin, ops, orders, plugins, reservations, resources, warm};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -16,7 +16,7 @@ use super::{admin, hot, ops, orders, plugins, reservations, resources};
         admin::create_tenant, admin::list_tenants, admin::create_api_key, admin::revoke_api_key,
         admin::set_rate_limit, admin::clear_rate_limit,
         resources::create_resource, resources::get_resource, resources::list_resources, resources::patch_resource,
-        resources::adjust, resources::ledger, hot::warm,
+        resources::adjust, resources::ledger, warm::warm,
         orders::create_order, orders::dry_run,
         reservations::get_reservation, reservations::confirm, reservations::release, reservations::reconciliation,
         plugins::put_plugin, plugins::get_plugin, plugins::list_versions, plugins::activate,

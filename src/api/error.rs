@@ -104,6 +104,25 @@ impl From<StorageError> for ApiError {
     }
 }
 
+impl From<crate::pipeline::Refusal> for ApiError {
+    fn from(refusal: crate::pipeline::Refusal) -> Self {
+        use crate::pipeline::Refusal;
+        use crate::plugin::PlanFailure;
+        match refusal {
+            Refusal::Invalid { field, reason } => ApiError::validation(&field, reason),
+            Refusal::Plan(PlanFailure::Plugin(reason)) => ApiError::new(422, "plugin_failed", "Plugin failed", reason),
+            Refusal::Plan(PlanFailure::TenantBusy(why)) => ApiError::too_many_requests(&why, 1),
+            Refusal::Plan(PlanFailure::Unavailable(why)) => ApiError::unavailable(&why),
+            Refusal::Plan(PlanFailure::Storage(err)) | Refusal::Storage(err) => err.into(),
+            Refusal::Redis(err) => err.into(),
+            // The handler that knows the key answers this itself.
+            Refusal::ResourceNotFound => {
+                ApiError::not_found("resource_not_found", "Resource not found", "no such resource")
+            }
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.problem.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

@@ -1,16 +1,18 @@
-//! The REST API (`../shared/API.md` is the contract): routers by feature, one error mapping,
-//! strict extractors, request metrics and timeouts, and the generated OpenAPI document.
+//! The REST API (`docs/API.md` is the contract): routers by feature, one error mapping, strict
+//! extractors, request metrics and timeouts, and the generated OpenAPI document. Mutating
+//! requests go through [`crate::pipeline`]; handlers only map requests to it and its outcomes
+//! to responses.
 
 pub mod admin;
 pub mod docs;
 pub mod error;
 pub mod extract;
-pub mod hot;
 pub mod ops;
 pub mod orders;
 pub mod plugins;
 pub mod reservations;
 pub mod resources;
+pub mod warm;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,8 +36,6 @@ use crate::storage::{ContentType, Idempotent, Storage, StoredResponse};
 pub struct ApiSettings {
     pub body_limit_bytes: usize,
     pub request_timeout: Duration,
-    pub max_lines: usize,
-    pub default_ttl_seconds: i64,
     /// Plugin versions a tenant keeps (`[plugins] max_versions_per_tenant`).
     pub max_plugin_versions: usize,
 }
@@ -50,7 +50,9 @@ pub struct AppState {
     pub settings: ApiSettings,
     pub metrics: Option<PrometheusHandle>,
     /// Redis mode, when `[redis]` is configured.
-    pub hotpath: Option<Arc<crate::hotpath::Hotpath>>,
+    pub redis: Option<Arc<crate::redis_mode::RedisMode>>,
+    /// The path of every mutating request.
+    pub pipeline: crate::pipeline::Pipeline,
 }
 
 pub type SharedState = Arc<AppState>;
@@ -65,7 +67,7 @@ pub fn router(state: SharedState) -> Router {
         .merge(orders::routes())
         .merge(plugins::routes(state.plugins.host().limits().max_wasm_bytes))
         .merge(reservations::routes())
-        .merge(hot::routes())
+        .merge(warm::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))

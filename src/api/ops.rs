@@ -33,7 +33,7 @@ pub async fn healthz() -> Response {
 ))]
 pub async fn readyz(State(state): State<SharedState>) -> Result<Json<serde_json::Value>, ApiError> {
     state.storage.ready().await?;
-    if let Some(hot) = &state.hotpath {
+    if let Some(hot) = &state.redis {
         hot.ready().await.map_err(|e| {
             tracing::warn!(error = %e, "redis not ready");
             ApiError::unavailable("redis is unavailable")

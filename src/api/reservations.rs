@@ -10,7 +10,6 @@ use super::extract::Tenant;
 use super::SharedState;
 use crate::engine::{Reservation, ReservationState};
 use crate::storage::Transition;
-use crate::time::now_ms;
 
 /// Reservation ids are `rsv_` + a ULID; anything much longer cannot exist.
 const MAX_ID_LEN: usize = 64;
@@ -64,8 +63,10 @@ pub async fn get_reservation(
     Path(id): Path<String>,
 ) -> Result<Json<Reservation>, ApiError> {
     let id = checked_id(&id)?;
-    if let Some(held_in_redis) = super::hot::get_reservation(&state, &auth.tenant, id).await? {
-        return Ok(Json(held_in_redis));
+    if let Some(redis) = state.redis.as_deref() {
+        if let Some(held_in_redis) = redis.held_reservation(state.storage.as_ref(), &auth.tenant, id).await? {
+            return Ok(Json(held_in_redis));
+        }
     }
     state.storage.get_reservation(&auth.tenant, id).await?.map(Json).ok_or_else(not_found)
 }
@@ -84,10 +85,7 @@ pub async fn confirm(
     Path(id): Path<String>,
 ) -> Result<Json<Reservation>, ApiError> {
     let id = checked_id(&id)?;
-    if let Some(moved) = super::hot::move_reservation(&state, &auth.tenant, id, ReservationState::Confirmed).await? {
-        return answer(moved);
-    }
-    answer(state.storage.confirm_reservation(&auth.tenant, id, now_ms()).await?)
+    answer(state.pipeline.move_reservation(&auth.tenant, id, ReservationState::Confirmed).await?)
 }
 
 /// Held → released (reserved → available). Again, or on an expired one: 200 with its state.
@@ -104,23 +102,27 @@ pub async fn release(
     Path(id): Path<String>,
 ) -> Result<Json<Reservation>, ApiError> {
     let id = checked_id(&id)?;
-    if let Some(moved) = super::hot::move_reservation(&state, &auth.tenant, id, ReservationState::Released).await? {
-        return answer(moved);
-    }
-    answer(state.storage.release_reservation(&auth.tenant, id, now_ms()).await?)
+    answer(state.pipeline.move_reservation(&auth.tenant, id, ReservationState::Released).await?)
 }
 
 /// Proves, for each of the tenant's resources, state == opening balance + ledger; compares
 /// Redis with the database for redis-mode resources; lists refused settlements.
 #[utoipa::path(get, path = "/v1/reconciliation", tag = "reconciliation", security(("api_key" = [])),
-    responses((status = 200, body = super::hot::ReconciliationReport)))]
+    responses((status = 200, body = crate::redis_mode::control::ReconciliationReport)))]
 pub async fn reconciliation(
     Tenant(auth): Tenant,
     State(state): State<SharedState>,
-) -> Result<Json<super::hot::ReconciliationReport>, ApiError> {
+) -> Result<Json<crate::redis_mode::control::ReconciliationReport>, ApiError> {
     let report = state.storage.reconcile(Some(&auth.tenant)).await?;
     if !report.drift.is_empty() {
         tracing::error!(tenant = %auth.tenant, resources = report.drift.len(), "reconciliation found drift");
     }
-    Ok(Json(super::hot::reconciliation(&state, &auth.tenant, report).await?))
+    let report = crate::redis_mode::control::reconciliation(
+        state.redis.as_deref(),
+        state.storage.as_ref(),
+        &auth.tenant,
+        report,
+    )
+    .await?;
+    Ok(Json(report))
 }

@@ -12,9 +12,10 @@ use utoipa::{IntoParams, ToSchema};
 use super::error::ApiError;
 use super::extract::{IdemKey, Tenant, ValidJson};
 use super::{idempotent_response, SharedState};
-use crate::engine::{Kind, LedgerEntry, Mode, ResourceKey, ResourceState, ResourceStatus, MAX_LINE_QTY, MAX_TOTAL};
+use crate::engine::{Kind, LedgerEntry, Mode, ResourceKey, ResourceState, ResourceStatus, MAX_TOTAL};
+use crate::pipeline::Refusal;
 use crate::storage::rules::MAX_BUCKETS;
-use crate::storage::{AdjustRefusal, NewResource};
+use crate::storage::NewResource;
 use crate::time::now_ms;
 
 const DEFAULT_PAGE: u32 = 100;
@@ -150,14 +151,21 @@ pub async fn create_resource(
         return Err(ApiError::validation("total", format!("must be between 0 and {MAX_TOTAL}")));
     }
     let buckets = bucket_count(req.buckets)?;
-    super::hot::check_mode(&state, req.mode)?;
+    crate::redis_mode::control::check_mode(state.redis.as_deref(), req.mode)?;
     if buckets != 1 && req.mode == Some(Mode::Redis) {
         return Err(ApiError::validation("mode", "redis mode takes one bucket"));
     }
     let new = NewResource { key: req.key, kind: req.kind, total: req.total, buckets };
     match state.storage.create_resource(&auth.tenant, &new, now_ms()).await? {
         Some(created) if req.mode == Some(Mode::Redis) => {
-            let switched = super::hot::switch_mode(&state, &auth.tenant, &new.key, Mode::Redis).await?;
+            let switched = crate::redis_mode::control::switch_mode(
+                state.redis.as_deref(),
+                state.storage.as_ref(),
+                &auth.tenant,
+                &new.key,
+                Mode::Redis,
+            )
+            .await?;
             Ok((StatusCode::CREATED, Json(switched.unwrap_or(created))).into_response())
         }
         Some(created) => Ok((StatusCode::CREATED, Json(created)).into_response()),
@@ -227,16 +235,23 @@ pub async fn patch_resource(
         return Err(ApiError::validation("body", "give at least one of status, buckets, mode"));
     }
     only_supported(req.buckets)?;
-    super::hot::check_mode(&state, req.mode)?;
+    crate::redis_mode::control::check_mode(state.redis.as_deref(), req.mode)?;
     let mut updated = match req.status {
         Some(status) => state.storage.set_resource_status(&auth.tenant, &key, status, now_ms()).await?,
         None => state.storage.get_resource(&auth.tenant, &key).await?,
     };
     if let (Some(mode), Some(_)) = (req.mode, &updated) {
-        updated = super::hot::switch_mode(&state, &auth.tenant, &key, mode).await?;
+        updated = crate::redis_mode::control::switch_mode(
+            state.redis.as_deref(),
+            state.storage.as_ref(),
+            &auth.tenant,
+            &key,
+            mode,
+        )
+        .await?;
     }
-    if let (Some(_), Some(resource)) = (req.status, &updated) {
-        super::hot::after_status(&state, resource, &auth.tenant).await?;
+    if let (Some(_), Some(resource), Some(redis)) = (req.status, &updated, state.redis.as_deref()) {
+        redis.after_status(resource, &auth.tenant).await?;
     }
     updated.map(Json).ok_or_else(|| resource_not_found(key.as_str()))
 }
@@ -259,26 +274,12 @@ pub async fn adjust(
     body: ValidJson<Adjustment>,
 ) -> Result<Response, ApiError> {
     let key = path_key(&key)?;
-    let req = &body.value;
-    if req.delta == 0 || req.delta.unsigned_abs() > MAX_LINE_QTY.unsigned_abs() {
-        return Err(ApiError::validation("delta", format!("must be non-zero and at most {MAX_LINE_QTY} in size")));
-    }
-    if req.reason.as_ref().is_some_and(|r| r.chars().count() > 200) {
-        return Err(ApiError::validation("reason", "must be at most 200 characters"));
-    }
-    let idem = body.idempotency(idem_key);
-    // A redis-mode resource is adjusted with its sales paused and settled, then re-warmed.
-    let hot = super::hot::redis_resource(&state, &auth.tenant, &key);
-    if let Some(hot) = hot {
-        super::hot::before_adjust(hot, &auth.tenant, &key).await?;
-    }
-    let adjusted = state.storage.adjust(&auth.tenant, &idem, &key, req.delta, now_ms()).await;
-    if let Some(hot) = hot {
-        super::hot::after_adjust(&state, hot, &auth.tenant, &key).await?;
-    }
-    match adjusted? {
+    let idempotency = body.idempotency(idem_key);
+    let req = body.value;
+    match state.pipeline.adjust(&auth.tenant, idempotency, &key, req.delta, req.reason.as_deref()).await {
         Ok(outcome) => Ok(idempotent_response(outcome)),
-        Err(AdjustRefusal::ResourceNotFound) => Err(resource_not_found(key.as_str())),
+        Err(Refusal::ResourceNotFound) => Err(resource_not_found(key.as_str())),
+        Err(refusal) => Err(refusal.into()),
     }
 }
 

@@ -84,7 +84,7 @@ async fn apply_moves<P: Port>(
             plugin_version: None,
             at: now_ms,
         };
-        let change = Change { row: Row::Bucket(bucket), how: Move::Adjust, gate: Gate::Settlement, entry };
+        let change = Change { row: Row::Bucket(bucket), how: Move::Adjust, gate: Gate::Counters, entry };
         if port.change(&change).await?.is_none() {
             return Err(moved_meanwhile(resource, bucket));
         }

@@ -1,5 +1,6 @@
 //! Every state change stockd makes on the database, written once: orders (one by one, or a
-//! batch by admission), reservation moves, adjustments, resource creation, buckets. The rules
+//! batch by admission), reservation moves, adjustments, resource creation, buckets, and the
+//! settlement of sales Redis made. The rules
 //! live here and in [`crate::engine`]; each backend implements only [`port::Port`], the
 //! statements these need, with SQL text and plumbing.
 //!
@@ -13,3 +14,4 @@ pub mod orders;
 pub mod port;
 pub mod reservations;
 pub mod resources;
+pub mod settlement;

@@ -16,6 +16,7 @@ use crate::engine::{
     BucketCounts, Kind, LedgerOp, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus,
     TenantId,
 };
+use crate::storage::redis_store::SettleRecord;
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
 
 /// A row's counters after a change, as its ledger row records them.
@@ -58,8 +59,9 @@ pub enum Gate {
     /// An order on the database path: the row must also be active, in db mode and (when the plan
     /// names one) of `kind`.
     Order { kind: Option<Kind> },
-    /// A sale Redis already made: only the counters may refuse it.
-    Settlement,
+    /// Only the counters may refuse it: a sale Redis already made, a reservation move, an
+    /// adjustment.
+    Counters,
 }
 
 /// What a ledger row records besides the counters after its change.
@@ -271,6 +273,35 @@ pub trait Port {
     /// Up to `limit` held reservations past their deadline with their tenants, locked where
     /// several processes write (skipping those locked by others).
     async fn due_reservations(&mut self, now_ms: i64, limit: u32) -> Result<Vec<(String, Reservation)>, StorageError>;
+
+    /// Claims a settlement's request id; `false`: it was settled before (a redelivery).
+    async fn claim_settlement(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        request_id: &str,
+        now_ms: i64,
+    ) -> Result<bool, StorageError>;
+    /// Records a sale Redis acknowledged that the database refused (once per request id).
+    async fn record_settlement_failure(
+        &mut self,
+        record: &SettleRecord,
+        qty: i64,
+        reason: &str,
+        available: i64,
+        now_ms: i64,
+    ) -> Result<(), StorageError>;
+    /// Adds to a per-user limit's count without a bound (Redis enforced it).
+    async fn count_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError>;
+    /// Stores an outcome under a key unless the key has one.
+    async fn store_outcome_if_absent(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        request_hash: &str,
+        response: &StoredResponse,
+        at: i64,
+    ) -> Result<(), StorageError>;
 
     /// Claims the keys of a batch's orders at once, one answer per key in order.
     async fn claim_keys(

@@ -45,14 +45,14 @@ async fn finish<P: Port>(
             at: now_ms,
         };
         let changes: Vec<Change<'_>> = if line.buckets.is_empty() {
-            vec![Change { row: Row::Resource, how, gate: Gate::Settlement, entry }]
+            vec![Change { row: Row::Resource, how, gate: Gate::Counters, entry }]
         } else {
             line.buckets
                 .iter()
                 .map(|take| Change {
                     row: Row::Bucket(take.bucket),
                     how,
-                    gate: Gate::Settlement,
+                    gate: Gate::Counters,
                     entry: Entry { bucket: take.bucket, qty: take.qty, ..entry },
                 })
                 .collect()

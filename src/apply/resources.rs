@@ -75,7 +75,7 @@ pub async fn adjust<P: Port>(
             plugin_version: None,
             at: now_ms,
         };
-        let change = Change { row: Row::Resource, how: Move::Adjust, gate: Gate::Settlement, entry };
+        let change = Change { row: Row::Resource, how: Move::Adjust, gate: Gate::Counters, entry };
         let changed = port.change(&change).await?.is_some();
         let after = port.resource(tenant.as_str(), key.as_str()).await?;
         match after {

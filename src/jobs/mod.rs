@@ -2,7 +2,7 @@
 //! with a fixed interval that stops when the shutdown signal fires; each does bounded work per
 //! tick and never panics the process on a storage error (it logs and tries again next tick).
 
-pub mod settle;
+pub mod settlement;
 
 use std::sync::Arc;
 use std::time::Duration;

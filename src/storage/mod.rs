@@ -4,8 +4,8 @@
 //! integration suite run against every backend.
 
 pub mod postgres;
+pub mod redis_store;
 pub mod rules;
-pub mod settle;
 pub mod sqlite;
 
 use async_trait::async_trait;
@@ -200,7 +200,7 @@ pub struct OrderExecution {
 
 /// The storage contract. Every mutating method is atomic: it applies wholly or not at all.
 #[async_trait]
-pub trait Storage: settle::SettleStore + Send + Sync + 'static {
+pub trait Storage: redis_store::RedisStore + Send + Sync + 'static {
     /// Storage is reachable and migrated.
     async fn ready(&self) -> Result<(), StorageError>;
 
@@ -269,6 +269,14 @@ pub trait Storage: settle::SettleStore + Send + Sync + 'static {
         after: i64,
         limit: u32,
     ) -> Result<Option<Vec<crate::engine::LedgerEntry>>, StorageError>;
+
+    /// The finished outcome stored under an idempotency key, judged against this request; reads
+    /// only. The first step of every mutating request ([`crate::pipeline`]), so it is cheap.
+    async fn stored_outcome(
+        &self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+    ) -> Result<Option<Idempotent>, StorageError>;
 
     /// Applies an order (or replays its first outcome).
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError>;

@@ -41,7 +41,7 @@ pub async fn redis_conn(url: &str) -> redis::aio::MultiplexedConnection {
     client.get_multiplexed_async_connection().await.unwrap_or_else(|e| panic!("redis at {url} must answer: {e}"))
 }
 
-/// The key of a resource's settlement stream (see `src/hotpath/mod.rs`).
+/// The key of a resource's settlement stream (see `src/redis_mode/mod.rs`).
 pub fn stream_key(prefix: &str, tenant: &str, key: &str) -> String {
     format!("{prefix}:{{{tenant}:{key}}}:x")
 }

@@ -19,6 +19,7 @@ use crate::engine::{
     BucketCounts, Kind, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus, TenantId,
     MAX_TOTAL,
 };
+use crate::storage::redis_store::SettleRecord;
 use crate::storage::rules::{bucket_rows, BUCKET_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{ContentType, IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
 use crate::time::Timestamp;
@@ -624,6 +625,94 @@ impl Port for PgPort<'_> {
         .fetch_all(&mut *self.conn)
         .await?;
         rows.iter().map(|row| Ok((row.try_get("tenant_id")?, reservation_from_row(row)?))).collect()
+    }
+
+    /// Claimed first: a second consumer settling the same entry waits here for the first one's
+    /// transaction, then finds the row and does nothing.
+    async fn claim_settlement(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        request_id: &str,
+        now_ms: i64,
+    ) -> Result<bool, StorageError> {
+        let claimed = sqlx::query(
+            "INSERT INTO redis_settled (tenant_id, resource_key, request_id, at) VALUES ($1, $2, $3, $4)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(request_id)
+        .bind(now_ms)
+        .execute(&mut *self.conn)
+        .await?
+        .rows_affected();
+        Ok(claimed == 1)
+    }
+
+    async fn record_settlement_failure(
+        &mut self,
+        r: &SettleRecord,
+        qty: i64,
+        reason: &str,
+        available: i64,
+        now_ms: i64,
+    ) -> Result<(), StorageError> {
+        sqlx::query(
+            "INSERT INTO settlement_failures (tenant_id, resource_key, request_id, order_id, idempotency_key,
+                                              qty, reason, available, at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
+        )
+        .bind(&r.t)
+        .bind(&r.k)
+        .bind(&r.rid)
+        .bind(&r.oid)
+        .bind(&r.idem)
+        .bind(qty)
+        .bind(reason)
+        .bind(available)
+        .bind(now_ms)
+        .execute(&mut *self.conn)
+        .await?;
+        Ok(())
+    }
+
+    async fn count_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError> {
+        sqlx::query(
+            "INSERT INTO user_limits (tenant_id, key, used) VALUES ($1, $2, $3)
+             ON CONFLICT (tenant_id, key) DO UPDATE SET used = user_limits.used + EXCLUDED.used",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(qty)
+        .execute(&mut *self.conn)
+        .await?;
+        Ok(())
+    }
+
+    async fn store_outcome_if_absent(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        request_hash: &str,
+        response: &StoredResponse,
+        at: i64,
+    ) -> Result<(), StorageError> {
+        sqlx::query(
+            "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
+                                      created_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(request_hash)
+        .bind(i32::from(response.status))
+        .bind(response.content_type.as_str())
+        .bind(&response.body)
+        .bind(at)
+        .execute(&mut *self.conn)
+        .await?;
+        Ok(())
     }
 
     /// Inserts every key's row in one statement; those that conflict were used before (committed:

@@ -1,9 +1,10 @@
 //! The embedded SQLite backend (WAL). Writes go through one group-committing writer thread
 //! ([`writer`], [`ops`]); reads use a pool of read connections that WAL lets run beside it.
 
+pub mod lookup;
 pub mod ops;
 pub mod port;
-pub mod settle;
+pub mod redis_store;
 pub mod writer;
 
 use std::path::Path;
@@ -32,6 +33,7 @@ use crate::engine::{
     ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
+use crate::storage::redis_store::{outcome_of, STORED_OUTCOME_SQL};
 use crate::time::Timestamp;
 
 /// How the SQLite backend is opened.
@@ -48,6 +50,8 @@ pub struct SqliteSettings {
 
 pub struct SqliteStorage {
     read: SqlitePool,
+    /// In-process idempotency lookups (the first step of every mutating request).
+    lookups: lookup::Lookups,
     writer: Mutex<Option<Writer>>,
     writer_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     checkpointer: Mutex<Option<Checkpointer>>,
@@ -129,6 +133,7 @@ impl SqliteStorage {
             .map_err(|e| StorageError::Internal(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             read,
+            lookups: lookup::Lookups::new(opts.get_filename(), settings.read_connections.max(1) as usize),
             writer: Mutex::new(Some(writer)),
             writer_thread: Mutex::new(Some(thread)),
             checkpointer: Mutex::new(Some(checkpointer)),
@@ -437,6 +442,25 @@ impl Storage for SqliteStorage {
         .fetch_all(&mut *tx)
         .await?;
         rows.iter().map(ledger_from_row).collect::<Result<Vec<_>, _>>().map(Some)
+    }
+
+    async fn stored_outcome(
+        &self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+    ) -> Result<Option<Idempotent>, StorageError> {
+        let record = match self.lookups.stored(tenant.as_str(), idem.key.as_str()) {
+            Ok(record) => record,
+            Err(err) => {
+                tracing::debug!(error = %err, "in-process idempotency lookup failed; asking the read pool");
+                sqlx::query_as(STORED_OUTCOME_SQL)
+                    .bind(tenant.as_str())
+                    .bind(idem.key.as_str())
+                    .fetch_optional(&self.read)
+                    .await?
+            }
+        };
+        Ok(record.map(|(hash, code, kind, body): lookup::Record| outcome_of(idem, &hash, code, &kind, body)))
     }
 
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {

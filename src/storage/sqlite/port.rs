@@ -17,6 +17,7 @@ use crate::engine::{
     BucketCounts, Kind, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus, TenantId,
     MAX_TOTAL,
 };
+use crate::storage::redis_store::SettleRecord;
 use crate::storage::rules::RESOURCE_COLUMNS;
 use crate::storage::{ContentType, IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
 use crate::time::Timestamp;
@@ -548,6 +549,77 @@ impl Port for SqlitePort<'_> {
             .query_map(params![now_ms, i64::from(limit)], |row| Ok((row.get(0)?, reservation_from_row(row)?)))?
             .collect::<rusqlite::Result<_>>()?;
         due.into_iter().map(|(tenant, r)| Ok((tenant, r?))).collect()
+    }
+
+    async fn claim_settlement(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        request_id: &str,
+        now_ms: i64,
+    ) -> Result<bool, StorageError> {
+        let claimed = self
+            .conn
+            .prepare_cached(
+                "INSERT INTO redis_settled (tenant_id, resource_key, request_id, at) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT DO NOTHING",
+            )?
+            .execute(params![tenant, key, request_id, now_ms])?;
+        Ok(claimed == 1)
+    }
+
+    async fn record_settlement_failure(
+        &mut self,
+        r: &SettleRecord,
+        qty: i64,
+        reason: &str,
+        available: i64,
+        now_ms: i64,
+    ) -> Result<(), StorageError> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO settlement_failures (tenant_id, resource_key, request_id, order_id, idempotency_key,
+                                                  qty, reason, available, at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) ON CONFLICT DO NOTHING",
+            )?
+            .execute(params![r.t, r.k, r.rid, r.oid, r.idem, qty, reason, available, now_ms])?;
+        Ok(())
+    }
+
+    async fn count_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO user_limits (tenant_id, key, used) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (tenant_id, key) DO UPDATE SET used = used + excluded.used",
+            )?
+            .execute(params![tenant, key, qty])?;
+        Ok(())
+    }
+
+    async fn store_outcome_if_absent(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        request_hash: &str,
+        response: &StoredResponse,
+        at: i64,
+    ) -> Result<(), StorageError> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
+                                          created_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",
+            )?
+            .execute(params![
+                tenant,
+                key,
+                request_hash,
+                i64::from(response.status),
+                response.content_type.as_str(),
+                response.body,
+                at
+            ])?;
+        Ok(())
     }
 
     async fn claim_keys(

@@ -1,18 +1,18 @@
-//! What storage does for the Redis hot path ([`crate::hotpath`]): settle one record of a
-//! resource's Redis stream into the database with the same guarded UPDATE, ledger row and
-//! unique request id as the database path; record what the database refuses; switch a
-//! resource's mode; and answer the reads the hot path needs (which resources are in redis
-//! mode, an idempotency key's stored outcome, the settlement failures of a tenant).
+//! What storage does for redis mode ([`crate::redis_mode`]): settle one record of a resource's
+//! Redis stream into the database (written once, in [`crate::apply::settlement`], with the same
+//! guarded change, ledger row and unique request id as the database path); switch a resource's
+//! mode; and answer the reads redis mode needs (which resources are in redis mode, an
+//! idempotency key's stored outcome, the settlement failures of a tenant).
 //!
 //! A separate trait, a supertrait of [`super::Storage`], so each backend implements it in its
-//! own `settle.rs` beside the rest of its code.
+//! own `redis_store.rs` beside the rest of its code.
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{IdempotencyRequest, Idempotent, StorageError};
-use crate::engine::{Mode, ResourceKey, ResourceState, TenantId};
+use super::{ContentType, IdempotencyRequest, Idempotent, StorageError, StoredResponse};
+use crate::engine::{LedgerOp, Mode, ReservationState, ResourceKey, ResourceState, TenantId};
 
 /// One success Redis acknowledged, as its Lua script appended it to the resource's stream.
 /// Field names are short: one record per sale crosses Redis twice.
@@ -62,20 +62,54 @@ impl SettleRecord {
 }
 
 /// The state a move of a reservation leads to, and the ledger op it writes.
-pub fn move_target(op: &str) -> Option<(&'static str, &'static str)> {
+pub fn move_target(op: &str) -> Option<(ReservationState, LedgerOp)> {
     match op {
-        "confirm" => Some(("confirmed", "confirm")),
-        "release" => Some(("released", "release")),
-        "expire" => Some(("expired", "expire")),
+        "confirm" => Some((ReservationState::Confirmed, LedgerOp::Confirm)),
+        "release" => Some((ReservationState::Released, LedgerOp::Release)),
+        "expire" => Some((ReservationState::Expired, LedgerOp::Expire)),
         _ => None,
     }
 }
 
-/// The quantity a reservation holds, from its stored lines (JSON).
-pub fn reserved_qty(lines: &str) -> Result<i64, StorageError> {
-    let lines: Vec<crate::engine::ReservationLine> =
-        serde_json::from_str(lines).map_err(|_| StorageError::Internal("unexpected reservation lines".into()))?;
-    Ok(lines.iter().map(|l| l.qty).sum())
+/// A tenant's settlement failures, newest first (both backends; `$n` binds on both).
+pub(crate) const FAILURES_SQL: &str = "SELECT resource_key, request_id, order_id, idempotency_key, qty, reason,
+        available, at
+    FROM settlement_failures WHERE tenant_id = $1 ORDER BY at DESC, request_id LIMIT $2";
+/// Every redis-mode resource (both backends).
+pub(crate) const REDIS_RESOURCES_SQL: &str = "SELECT tenant_id, key FROM resources WHERE mode = 'redis' LIMIT $1";
+/// An idempotency key's finished record (both backends). Only finished: one still claimed by an
+/// in-flight request has no response yet, and that request will store its own.
+pub(crate) const STORED_OUTCOME_SQL: &str = "SELECT request_hash, response_code, response_type, response_body
+    FROM idempotency WHERE tenant_id = $1 AND key = $2 AND response_code IS NOT NULL";
+
+/// A `(tenant, key)` pair as stored.
+pub(crate) fn parse_pair(tenant: String, key: String) -> Result<(TenantId, ResourceKey), StorageError> {
+    let corrupt = |e: crate::engine::InvalidValue| StorageError::Internal(format!("stored resource: {e}"));
+    Ok((TenantId::parse(tenant).map_err(corrupt)?, ResourceKey::parse(key).map_err(corrupt)?))
+}
+
+/// A stored idempotency record judged against this request.
+pub(crate) fn outcome_of(idem: &IdempotencyRequest, hash: &str, code: i64, kind: &str, body: String) -> Idempotent {
+    if hash != idem.request_hash {
+        return Idempotent::Mismatch;
+    }
+    let status = u16::try_from(code).unwrap_or(500);
+    Idempotent::Replayed(StoredResponse { status, content_type: ContentType::from_db(kind), body })
+}
+
+/// A settlement failure row as selected by both backends.
+pub(crate) fn failure_of(row: (String, String, String, String, i64, String, i64, i64)) -> SettlementFailure {
+    let (key, request_id, order_id, idempotency_key, qty, reason, available, at) = row;
+    SettlementFailure {
+        key,
+        request_id,
+        order_id,
+        idempotency_key,
+        qty,
+        reason,
+        available,
+        at: crate::time::Timestamp(at),
+    }
 }
 
 /// How a settlement record ended in the database.
@@ -108,7 +142,7 @@ pub struct SettlementFailure {
 
 /// The storage operations of the Redis hot path.
 #[async_trait]
-pub trait SettleStore: Send + Sync {
+pub trait RedisStore: Send + Sync {
     /// Applies one record, exactly once whatever the number of deliveries.
     async fn settle(&self, record: &SettleRecord, now_ms: i64) -> Result<Settled, StorageError>;
     /// Sets a resource's mode; `None` when there is no such resource.
@@ -121,12 +155,6 @@ pub trait SettleStore: Send + Sync {
     ) -> Result<Option<ResourceState>, StorageError>;
     /// Every resource in redis mode (all tenants), at most `limit`.
     async fn redis_resources(&self, limit: u32) -> Result<Vec<(TenantId, ResourceKey)>, StorageError>;
-    /// The stored outcome of an idempotency key, if it has one; reads only.
-    async fn stored_outcome(
-        &self,
-        tenant: &TenantId,
-        idem: &IdempotencyRequest,
-    ) -> Result<Option<Idempotent>, StorageError>;
     /// The tenant's settlement failures, newest first, at most `limit`.
     async fn settlement_failures(&self, tenant: &TenantId, limit: u32) -> Result<Vec<SettlementFailure>, StorageError>;
 }

@@ -14,8 +14,8 @@ use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::hotpath::{HotError, Hotpath, GROUP};
-use crate::storage::settle::{SettleRecord, Settled};
+use crate::redis_mode::{RedisMode, RedisModeError, GROUP};
+use crate::storage::redis_store::{SettleRecord, Settled};
 use crate::storage::Storage;
 use crate::time::now_ms;
 
@@ -25,7 +25,7 @@ const REFRESH_EVERY: Duration = Duration::from_secs(1);
 const CLAIM_EVERY: Duration = Duration::from_millis(500);
 
 /// Starts the consumer; it stops when `shutdown` turns true.
-pub fn spawn(hot: Arc<Hotpath>, storage: Arc<dyn Storage>, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+pub fn spawn(hot: Arc<RedisMode>, storage: Arc<dyn Storage>, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
     tokio::spawn(async move {
         let poll = Duration::from_millis(hot.settings.settle_poll_ms.max(1));
         let mut refreshed: Option<Instant> = None;
@@ -69,12 +69,12 @@ pub fn spawn(hot: Arc<Hotpath>, storage: Arc<dyn Storage>, mut shutdown: watch::
 /// One pass over one resource's stream: reclaimed entries (if `claim`), then new ones.
 /// Returns how many entries it settled.
 async fn settle_stream(
-    hot: &Hotpath,
+    hot: &RedisMode,
     storage: &dyn Storage,
     tenant: &str,
     key: &str,
     claim: bool,
-) -> Result<usize, HotError> {
+) -> Result<usize, RedisModeError> {
     let stream = hot.stream_key(tenant, key);
     let batch = hot.settings.settle_batch;
     let mut settled = 0;
@@ -118,7 +118,7 @@ async fn settle_stream(
 
 /// Settles entries (their database writes share group commits) and acknowledges each one
 /// whose outcome is committed. Returns how many were acknowledged.
-async fn apply(hot: &Hotpath, storage: &dyn Storage, tenant: &str, key: &str, entries: &[StreamId]) -> usize {
+async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, entries: &[StreamId]) -> usize {
     let now = now_ms();
     let records: Vec<(String, Option<SettleRecord>, Option<i64>)> = entries
         .iter()
@@ -182,7 +182,7 @@ const EXPIRE_BATCH: usize = 100;
 /// Expires the resource's reservations made in Redis that are past their deadline (each
 /// exactly once: the script moves only a held one), which returns their stock to Redis and
 /// queues the expiry for settlement.
-async fn expire_due(hot: &Hotpath, tenant: &str, key: &str) {
+async fn expire_due(hot: &RedisMode, tenant: &str, key: &str) {
     let now = now_ms();
     let due = match hot.due_reservations(tenant, key, now, EXPIRE_BATCH).await {
         Ok(due) => due,
@@ -192,7 +192,7 @@ async fn expire_due(hot: &Hotpath, tenant: &str, key: &str) {
         }
     };
     for id in due {
-        match hot.move_reservation(tenant, key, &id, "expired", now).await {
+        match hot.transition_reservation(tenant, key, &id, "expired", now).await {
             Ok(Some(r)) if r.state == crate::engine::ReservationState::Expired => {
                 metrics::counter!("stockd_reservations_expired_total").increment(1);
             }

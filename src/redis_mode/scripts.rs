@@ -111,7 +111,9 @@ return {to, doc}
 /// and takes it off the backlog, so a redelivered entry is never subtracted twice.
 ///
 /// KEYS[1] the stream; KEYS[2] the resource hash. ARGV[1] group; ARGV[2] entry id; ARGV[3] the
-/// entry's change of available (`d`).
+/// entry's change of available (`d`); ARGV[4] the sold-out channel; ARGV[5] the message that
+/// the resource is sold out and settled, published when this was its last unsettled entry and
+/// nothing is available (every sale of it is then in the database).
 ///
 /// A script that fails half-way keeps its earlier writes, so every argument is checked before
 /// the first write, and the arithmetic is written so that a zero delta stays `0` (Lua's `-0`
@@ -122,7 +124,10 @@ if not delta then return redis.error_reply('ack: delta is not a number') end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   redis.call('XDEL', KEYS[1], ARGV[2])
   redis.call('HINCRBY', KEYS[2], 'backlog', 0 - delta)
-  redis.call('HINCRBY', KEYS[2], 'pending', -1)
+  local pending = redis.call('HINCRBY', KEYS[2], 'pending', -1)
+  if pending <= 0 and tonumber(redis.call('HGET', KEYS[2], 'avail') or '1') == 0 then
+    redis.call('PUBLISH', ARGV[4], ARGV[5])
+  end
   return 1
 end
 return 0

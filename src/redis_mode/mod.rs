@@ -8,7 +8,7 @@
 //! - [`crate::jobs::settle`] is the consumer-group loop every process runs: it applies each record with the
 //!   database's guarded UPDATE + ledger row (idempotent by request id), acknowledges after the
 //!   commit, reclaims entries of dead consumers, and records what the database refuses.
-//! - Warm ([`Hotpath::warm`]) closes the resource, waits until its backlog is settled, and loads
+//! - Warm ([`RedisMode::warm`]) closes the resource, waits until its backlog is settled, and loads
 //!   Redis from the database. Reconciliation compares Redis, the database and the backlog.
 //! - [`soldout`] keeps, per process, the resources Redis announced sold out, answered from
 //!   memory until a warm announces stock again.
@@ -16,7 +16,9 @@
 //! Keys: `<prefix>:{<tenant>:<key>}:<part>`; the hash tag makes every key of one resource live
 //! in one Redis Cluster slot, so each script touches one slot.
 
+pub mod control;
 pub mod link;
+pub mod orders;
 pub mod scripts;
 pub mod soldout;
 
@@ -29,7 +31,7 @@ use redis::{RedisError, Script};
 use self::link::{Link, Topology};
 use crate::config::RedisConfig;
 use crate::engine::{ResourceKey, ResourceState, TenantId};
-use crate::storage::settle::SettleRecord;
+use crate::storage::redis_store::SettleRecord;
 use crate::storage::{Storage, StorageError};
 
 /// The consumer group every process's settlement consumer belongs to.
@@ -37,9 +39,9 @@ pub const GROUP: &str = "settle";
 /// Most redis-mode resources one process tracks (and polls the streams of).
 pub const MAX_RESOURCES: u32 = 10_000;
 
-/// A failure of the hot path.
+/// Why redis mode could not answer; nothing of the request was applied unless said otherwise.
 #[derive(Debug, thiserror::Error)]
-pub enum HotError {
+pub enum RedisModeError {
     /// Redis could not be reached or did not answer in time; nothing is known to have applied.
     #[error("redis unavailable: {0}")]
     Redis(#[from] RedisError),
@@ -50,6 +52,24 @@ pub enum HotError {
     DrainTimeout(i64),
     #[error("unexpected reply from redis: {0}")]
     Reply(String),
+    /// An order on a redis-mode resource planned to more than one line or target.
+    #[error("an order that touches a redis-mode resource must have one line planned to that one resource")]
+    OrderUnsupported,
+    /// Redis does not hold the resource (never warmed, or its data was lost).
+    #[error("{0} is in redis mode but Redis does not hold it")]
+    NotWarmed(String),
+    /// The resource is closed while a warm or a mode switch drains its backlog.
+    #[error("the resource is being warmed or switched")]
+    Closed,
+    /// `"mode": "redis"` on a server without `[redis]`.
+    #[error("redis mode needs [redis] to be configured on this server")]
+    NotConfigured,
+    /// Redis mode takes single-bucket resources only.
+    #[error("redis mode takes one bucket")]
+    Bucketed,
+    /// A warm of a resource in db mode.
+    #[error("{0} is in db mode")]
+    NotRedis(String),
 }
 
 /// What Redis answered for one deduction.
@@ -114,8 +134,18 @@ pub struct RedisView {
     pub open: bool,
 }
 
+/// What a warm announces: loaded with nothing available, after its backlog drained, the
+/// resource is sold out with every sale settled.
+fn stock_mark(available: i64) -> soldout::Mark {
+    if available == 0 {
+        soldout::Mark::Settled
+    } else {
+        soldout::Mark::InStock
+    }
+}
+
 /// The hot path of one process.
-pub struct Hotpath {
+pub struct RedisMode {
     link: Link,
     prefix: String,
     pub settings: RedisConfig,
@@ -144,7 +174,7 @@ fn topology(config: &RedisConfig) -> Option<Topology> {
     }
 }
 
-impl Hotpath {
+impl RedisMode {
     /// The hot path if Redis is configured; it connects lazily.
     pub fn from_config(config: &RedisConfig, idempotency_retention_s: u64) -> anyhow::Result<Option<Self>> {
         let Some(topology) = topology(config) else { return Ok(None) };
@@ -210,12 +240,12 @@ impl Hotpath {
     }
 
     /// Redis answers.
-    pub async fn ready(&self) -> Result<(), HotError> {
+    pub async fn ready(&self) -> Result<(), RedisModeError> {
         let pong: String = self.link.query(&redis::cmd("PING")).await?;
         if pong == "PONG" {
             Ok(())
         } else {
-            Err(HotError::Reply(pong))
+            Err(RedisModeError::Reply(pong))
         }
     }
 
@@ -252,9 +282,9 @@ impl Hotpath {
     }
 
     /// Runs the deduct script for one order line.
-    pub async fn deduct(&self, d: Deduction<'_>) -> Result<Deducted, HotError> {
+    pub async fn deduct(&self, d: Deduction<'_>) -> Result<Deducted, RedisModeError> {
         let (tenant, key) = (d.tenant.as_str(), d.key.as_str());
-        let record = serde_json::to_string(&d.record).map_err(|e| HotError::Reply(e.to_string()))?;
+        let record = serde_json::to_string(&d.record).map_err(|e| RedisModeError::Reply(e.to_string()))?;
         let mut invocation = self.deduct.key(self.resource_key(tenant, key));
         invocation
             .key(self.limits_key(tenant, key))
@@ -271,7 +301,7 @@ impl Hotpath {
             .arg(&d.bodies.inactive)
             .arg(record)
             .arg(self.channel())
-            .arg(soldout::message(true, tenant, key))
+            .arg(soldout::message(soldout::Mark::SoldOut, tenant, key))
             .key(self.reservations_key(tenant, key))
             .key(self.deadlines_key(tenant, key));
         match &d.reserve {
@@ -281,7 +311,7 @@ impl Hotpath {
         let mut conn = self.link.conn().await?;
         let reply: Result<(String, String, String, i64), RedisError> = invocation.invoke_async(&mut conn).await;
         let (outcome, code, body, available) = reply.inspect_err(|e| self.link.judge(e))?;
-        let status = code.parse::<u16>().map_err(|_| HotError::Reply(format!("status {code}")))?;
+        let status = code.parse::<u16>().map_err(|_| RedisModeError::Reply(format!("status {code}")))?;
         Ok(match outcome.as_str() {
             "replay" => Deducted::Replay { status, body },
             "mismatch" => Deducted::Mismatch,
@@ -291,8 +321,33 @@ impl Hotpath {
         })
     }
 
+    /// The outcome Redis recorded for this request's key on this resource, if any: what the
+    /// deduct script would answer first, read without running it (one round trip, for the
+    /// sold-out answer, which must not hide a replay). Marks the resource settled when Redis
+    /// says every sale of it is in the database.
+    pub async fn recorded(&self, d: &Deduction<'_>) -> Result<Option<Deducted>, RedisModeError> {
+        let (tenant, key) = (d.tenant.as_str(), d.key.as_str());
+        let mut pipe = redis::pipe();
+        pipe.cmd("HMGET").arg(self.request_key(tenant, key, d.idempotency_key)).arg("h").arg("c").arg("b");
+        pipe.cmd("HMGET").arg(self.resource_key(tenant, key)).arg("avail").arg("pending");
+        type Reply = ((Option<String>, Option<String>, Option<String>), (Option<i64>, Option<i64>));
+        let mut conn = self.link.conn().await?;
+        let ((hash, code, body), (avail, pending)): Reply =
+            pipe.query_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
+        if avail == Some(0) && pending.unwrap_or(0) <= 0 {
+            self.sold_out.mark(tenant, key, soldout::Mark::Settled);
+        }
+        let Some(hash) = hash else { return Ok(None) };
+        if hash != d.request_hash {
+            return Ok(Some(Deducted::Mismatch));
+        }
+        let code = code.unwrap_or_default();
+        let status = code.parse::<u16>().map_err(|_| RedisModeError::Reply(format!("status {code}")))?;
+        Ok(Some(Deducted::Replay { status, body: body.unwrap_or_default() }))
+    }
+
     /// Remembers which resource a reservation made in Redis belongs to, for `ttl_s`.
-    pub async fn map_reservation(&self, tenant: &str, id: &str, key: &str, ttl_s: i64) -> Result<(), HotError> {
+    pub async fn map_reservation(&self, tenant: &str, id: &str, key: &str, ttl_s: i64) -> Result<(), RedisModeError> {
         let mut cmd = redis::cmd("SET");
         cmd.arg(self.reservation_map_key(tenant, id)).arg(key).arg("EX").arg(ttl_s.max(1));
         let _: () = self.link.query(&cmd).await?;
@@ -300,14 +355,19 @@ impl Hotpath {
     }
 
     /// The resource of a reservation made in Redis, if Redis knows it.
-    pub async fn reservation_resource(&self, tenant: &str, id: &str) -> Result<Option<String>, HotError> {
+    pub async fn reservation_resource(&self, tenant: &str, id: &str) -> Result<Option<String>, RedisModeError> {
         let mut cmd = redis::cmd("GET");
         cmd.arg(self.reservation_map_key(tenant, id));
         Ok(self.link.query(&cmd).await?)
     }
 
     /// A reservation's state and document as Redis holds them.
-    pub async fn reservation(&self, tenant: &str, key: &str, id: &str) -> Result<Option<(String, String)>, HotError> {
+    pub async fn reservation(
+        &self,
+        tenant: &str,
+        key: &str,
+        id: &str,
+    ) -> Result<Option<(String, String)>, RedisModeError> {
         let mut cmd = redis::cmd("HMGET");
         cmd.arg(self.reservations_key(tenant, key)).arg(format!("{id}:s")).arg(id);
         let (state, doc): (Option<String>, Option<String>) = self.link.query(&cmd).await?;
@@ -325,7 +385,7 @@ impl Hotpath {
         to: &str,
         now_ms: i64,
         records: [String; 3],
-    ) -> Result<Option<(String, String)>, HotError> {
+    ) -> Result<Option<(String, String)>, RedisModeError> {
         let mut invocation = self.transition.key(self.resource_key(tenant, key));
         invocation
             .key(self.limits_key(tenant, key))
@@ -338,7 +398,7 @@ impl Hotpath {
         for record in &records {
             invocation.arg(record);
         }
-        invocation.arg(self.channel()).arg(soldout::message(false, tenant, key));
+        invocation.arg(self.channel()).arg(soldout::message(soldout::Mark::InStock, tenant, key));
         let mut conn = self.link.conn().await?;
         let (state, doc): (String, String) =
             invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
@@ -352,23 +412,29 @@ impl Hotpath {
         key: &str,
         now_ms: i64,
         limit: usize,
-    ) -> Result<Vec<String>, HotError> {
+    ) -> Result<Vec<String>, RedisModeError> {
         let mut cmd = redis::cmd("ZRANGEBYSCORE");
         cmd.arg(self.deadlines_key(tenant, key)).arg("-inf").arg(now_ms).arg("LIMIT").arg(0).arg(limit);
         Ok(self.link.query(&cmd).await?)
     }
 
     /// Acknowledges a settled entry (see [`scripts::ACK`]); `delta` is the entry's `d`.
-    pub async fn ack(&self, tenant: &str, key: &str, id: &str, delta: i64) -> Result<(), HotError> {
+    pub async fn ack(&self, tenant: &str, key: &str, id: &str, delta: i64) -> Result<(), RedisModeError> {
         let mut invocation = self.ack.key(self.stream_key(tenant, key));
-        invocation.key(self.resource_key(tenant, key)).arg(GROUP).arg(id).arg(delta);
+        invocation
+            .key(self.resource_key(tenant, key))
+            .arg(GROUP)
+            .arg(id)
+            .arg(delta)
+            .arg(self.channel())
+            .arg(soldout::message(soldout::Mark::Settled, tenant, key));
         let mut conn = self.link.conn().await?;
         let _: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
         Ok(())
     }
 
     /// Opens or closes sales; returns whether Redis knows the resource, and its unsettled entries.
-    async fn set_open(&self, tenant: &str, key: &str, open: bool) -> Result<(bool, i64), HotError> {
+    async fn set_open(&self, tenant: &str, key: &str, open: bool) -> Result<(bool, i64), RedisModeError> {
         let mut invocation = self.gate.key(self.resource_key(tenant, key));
         invocation.arg(if open { "1" } else { "0" });
         let mut conn = self.link.conn().await?;
@@ -378,19 +444,19 @@ impl Hotpath {
     }
 
     /// Closes the resource for sales until the next warm, once its backlog is settled.
-    pub async fn drain(&self, tenant: &str, key: &str) -> Result<(), HotError> {
+    pub async fn drain(&self, tenant: &str, key: &str) -> Result<(), RedisModeError> {
         self.close_and_drain(tenant, key).await.map(|_| ())
     }
 
     /// Closes the resource and waits until every sale made before is settled. On timeout the
     /// resource is reopened (if it was open) and the caller hears `DrainTimeout`.
-    async fn close_and_drain(&self, tenant: &str, key: &str) -> Result<bool, HotError> {
+    async fn close_and_drain(&self, tenant: &str, key: &str) -> Result<bool, RedisModeError> {
         let (exists, mut pending) = self.set_open(tenant, key, false).await?;
         let deadline = Instant::now() + Duration::from_millis(self.settings.drain_timeout_ms);
         while exists && pending != 0 {
             if Instant::now() >= deadline {
                 self.set_open(tenant, key, true).await?;
-                return Err(HotError::DrainTimeout(pending));
+                return Err(RedisModeError::DrainTimeout(pending));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
             let view = self.view(tenant, key).await?;
@@ -402,7 +468,12 @@ impl Hotpath {
     /// Loads Redis from the database: closes sales, lets the backlog settle, then sets the
     /// stock to the database's available and reopens. Announces the stock to every process (a
     /// sold-out mark is cleared, or set if the stock is zero).
-    pub async fn warm(&self, storage: &dyn Storage, tenant: &TenantId, key: &ResourceKey) -> Result<(), HotError> {
+    pub async fn warm(
+        &self,
+        storage: &dyn Storage,
+        tenant: &TenantId,
+        key: &ResourceKey,
+    ) -> Result<(), RedisModeError> {
         let (t, k) = (tenant.as_str(), key.as_str());
         self.close_and_drain(t, k).await?;
         let deadline = Instant::now() + Duration::from_millis(self.settings.drain_timeout_ms);
@@ -418,18 +489,18 @@ impl Hotpath {
                 .arg(if inactive { "1" } else { "0" })
                 .arg(GROUP)
                 .arg(self.channel())
-                .arg(soldout::message(state.available == 0, t, k))
+                .arg(soldout::message(stock_mark(state.available), t, k))
                 .arg(state.reserved);
             let mut conn = self.link.conn().await?;
             let (loaded, backlog): (i64, i64) =
                 invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
             if loaded == 1 {
-                self.sold_out.set(t, k, state.available == 0);
+                self.sold_out.mark(t, k, stock_mark(state.available));
                 return Ok(());
             }
             if Instant::now() >= deadline {
                 self.set_open(t, k, true).await?;
-                return Err(HotError::DrainTimeout(backlog));
+                return Err(RedisModeError::DrainTimeout(backlog));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -437,7 +508,7 @@ impl Hotpath {
 
     /// Takes a resource out of Redis before it leaves redis mode: closes it, waits for its
     /// backlog to settle, and deletes its keys.
-    pub async fn drain_and_forget(&self, tenant: &str, key: &str) -> Result<(), HotError> {
+    pub async fn drain_and_forget(&self, tenant: &str, key: &str) -> Result<(), RedisModeError> {
         self.close_and_drain(tenant, key).await?;
         let mut invocation = self.forget.key(self.resource_key(tenant, key));
         invocation
@@ -449,14 +520,14 @@ impl Hotpath {
         let left: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
         if left != 0 {
             self.set_open(tenant, key, true).await?;
-            return Err(HotError::DrainTimeout(left));
+            return Err(RedisModeError::DrainTimeout(left));
         }
-        self.sold_out.set(tenant, key, false);
+        self.sold_out.mark(tenant, key, soldout::Mark::InStock);
         Ok(())
     }
 
     /// Marks the resource active or inactive in Redis as well (a no-op while it is cold).
-    pub async fn set_inactive(&self, tenant: &str, key: &str, inactive: bool) -> Result<(), HotError> {
+    pub async fn set_inactive(&self, tenant: &str, key: &str, inactive: bool) -> Result<(), RedisModeError> {
         let mut cmd = redis::cmd("HSET");
         cmd.arg(self.resource_key(tenant, key)).arg("inactive").arg(if inactive { "1" } else { "0" });
         let _: i64 = self.link.query(&cmd).await?;
@@ -464,7 +535,7 @@ impl Hotpath {
     }
 
     /// Redis's counters of a resource; `None` when Redis does not know it (cold).
-    pub async fn view(&self, tenant: &str, key: &str) -> Result<Option<RedisView>, HotError> {
+    pub async fn view(&self, tenant: &str, key: &str) -> Result<Option<RedisView>, RedisModeError> {
         let mut cmd = redis::cmd("HMGET");
         cmd.arg(self.resource_key(tenant, key)).arg("avail").arg("backlog").arg("open").arg("pending");
         let (available, backlog, open, pending): (Option<i64>, Option<i64>, Option<String>, Option<i64>) =
@@ -478,7 +549,7 @@ impl Hotpath {
     }
 
     /// Compares Redis with the database for one redis-mode resource.
-    pub async fn compare(&self, tenant: &TenantId, state: &ResourceState) -> Result<RedisDrift, HotError> {
+    pub async fn compare(&self, tenant: &TenantId, state: &ResourceState) -> Result<RedisDrift, RedisModeError> {
         let view = self.view(tenant.as_str(), &state.key).await?;
         Ok(RedisDrift::judge(state, view))
     }
@@ -521,18 +592,18 @@ impl RedisDrift {
     }
 }
 
-impl Hotpath {
+impl RedisMode {
     /// Moves a reservation made in Redis to `to` (`confirmed`, `released`, `expired`; a confirm
     /// past its deadline expires it). Returns its state now and the reservation, or `None` when
     /// Redis does not hold it.
-    pub async fn move_reservation(
+    pub async fn transition_reservation(
         &self,
         tenant: &str,
         key: &str,
         id: &str,
         to: &str,
         now_ms: i64,
-    ) -> Result<Option<crate::engine::Reservation>, HotError> {
+    ) -> Result<Option<crate::engine::Reservation>, RedisModeError> {
         let Some(held) = self.get_reservation(tenant, key, id).await? else { return Ok(None) };
         let limit = held.lines.first().and_then(|l| l.limit_key.clone());
         let record = |op: &str| {
@@ -553,12 +624,12 @@ impl Hotpath {
                 exp: None,
                 lines: None,
             })
-            .map_err(|e| HotError::Reply(e.to_string()))
+            .map_err(|e| RedisModeError::Reply(e.to_string()))
         };
         let records = [record("confirm")?, record("release")?, record("expire")?];
         let Some((state, _)) = self.transition(tenant, key, id, to, now_ms, records).await? else { return Ok(None) };
         let state = crate::engine::ReservationState::from_db(&state)
-            .ok_or_else(|| HotError::Reply(format!("reservation state {state}")))?;
+            .ok_or_else(|| RedisModeError::Reply(format!("reservation state {state}")))?;
         Ok(Some(crate::engine::Reservation { state, ..held }))
     }
 
@@ -568,12 +639,12 @@ impl Hotpath {
         tenant: &str,
         key: &str,
         id: &str,
-    ) -> Result<Option<crate::engine::Reservation>, HotError> {
+    ) -> Result<Option<crate::engine::Reservation>, RedisModeError> {
         let Some((state, doc)) = self.reservation(tenant, key, id).await? else { return Ok(None) };
         let held: crate::engine::Reservation =
-            serde_json::from_str(&doc).map_err(|e| HotError::Reply(format!("reservation document: {e}")))?;
+            serde_json::from_str(&doc).map_err(|e| RedisModeError::Reply(format!("reservation document: {e}")))?;
         let state = crate::engine::ReservationState::from_db(&state)
-            .ok_or_else(|| HotError::Reply(format!("reservation state {state}")))?;
+            .ok_or_else(|| RedisModeError::Reply(format!("reservation state {state}")))?;
         Ok(Some(crate::engine::Reservation { state, ..held }))
     }
 }

@@ -1,0 +1,129 @@
+//! Settlement: one sale (or reservation move) Redis acknowledged, applied to the database exactly
+//! once whatever the number of deliveries. Its request id is claimed first (a second consumer
+//! of a reclaimed entry finds it taken); the change is the database path's guarded change
+//! without the order gate (the sale happened in Redis while the resource was active, so only the
+//! counters may refuse it), with its ledger row; what the database refuses is recorded as a
+//! settlement failure for the tenant to compensate; the client's answer is stored so a replay
+//! finds it after Redis forgot it.
+
+use super::port::{Change, Entry, Gate, Move, NewReservation, Port, Row};
+use crate::engine::{LedgerOp, ReservationState};
+use crate::storage::redis_store::{move_target, SettleRecord, Settled};
+use crate::storage::{ContentType, StorageError, StoredResponse};
+
+/// Applies one record (see the module docs).
+pub async fn settle<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Result<Settled, StorageError> {
+    if !port.claim_settlement(&r.t, &r.k, &r.rid, now_ms).await? {
+        return Ok(Settled::Duplicate);
+    }
+    match move_target(r.op()) {
+        Some((to, op)) => settle_move(port, r, to, op, now_ms).await,
+        None => settle_take(port, r, now_ms).await,
+    }
+}
+
+/// Records a sale the database refused, with the resource's available stock then.
+async fn refused<P: Port>(
+    port: &mut P,
+    r: &SettleRecord,
+    qty: i64,
+    reason: &str,
+    now_ms: i64,
+) -> Result<Settled, StorageError> {
+    let available = port.view(&r.t, &r.k).await?.map_or(0, |v| v.available);
+    port.record_settlement_failure(r, qty, reason, available, now_ms).await?;
+    Ok(Settled::Refused)
+}
+
+/// A deduction or a reservation Redis acknowledged.
+async fn settle_take<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Result<Settled, StorageError> {
+    let reserve = r.op() == "reserve";
+    let entry = Entry {
+        tenant: &r.t,
+        resource: &r.k,
+        bucket: 0,
+        op: if reserve { LedgerOp::Reserve } else { LedgerOp::Deduct },
+        qty: r.q,
+        request_id: &r.rid,
+        order_id: Some(&r.oid),
+        reservation_id: r.rsv.as_deref(),
+        plugin_version: Some(r.pv),
+        at: now_ms,
+    };
+    let how = if reserve { Move::Reserve } else { Move::Deduct };
+    let change = Change { row: Row::Resource, how, gate: Gate::Counters, entry };
+    let settled = if port.change(&change).await?.is_some() {
+        if let (true, Some(id)) = (reserve, &r.rsv) {
+            let reservation = NewReservation {
+                tenant: r.t.clone(),
+                id: id.clone(),
+                order_id: r.oid.clone(),
+                lines: r.lines.clone().unwrap_or_else(|| "[]".into()),
+                expires_at: r.exp.unwrap_or(now_ms),
+                created_at: r.at,
+            };
+            port.insert_reservation(&reservation).await?;
+        }
+        if let Some(limit) = &r.lim {
+            // Redis enforced the limit; the database keeps the count for the record.
+            port.count_limit(&r.t, limit, r.q).await?;
+        }
+        Settled::Applied
+    } else {
+        let exists = port.view(&r.t, &r.k).await?.is_some();
+        refused(port, r, r.q, if exists { "insufficient" } else { "resource_not_found" }, now_ms).await?
+    };
+    // The client's answer, so a replay finds it even after Redis forgot it.
+    let answer = StoredResponse { status: 201, content_type: ContentType::Json, body: r.body.clone() };
+    port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, r.at).await?;
+    Ok(settled)
+}
+
+/// A confirm, release or expiry of a reservation made in Redis. Its row must be settled first
+/// (an error otherwise: the entry stays pending and is tried again).
+async fn settle_move<P: Port>(
+    port: &mut P,
+    r: &SettleRecord,
+    to: ReservationState,
+    op: LedgerOp,
+    now_ms: i64,
+) -> Result<Settled, StorageError> {
+    let id = r.rsv.as_deref().ok_or_else(|| StorageError::Internal("a reservation move without its id".into()))?;
+    // Read again after a lost race: the winner's state decides.
+    for _ in 0..2 {
+        let Some(reservation) = port.reservation(&r.t, id).await? else {
+            return Err(StorageError::Internal(format!("reservation {id} is not settled yet")));
+        };
+        let qty: i64 = reservation.lines.iter().map(|l| l.qty).sum();
+        if reservation.state != ReservationState::Held {
+            if reservation.state == to {
+                return Ok(Settled::Duplicate);
+            }
+            return refused(port, r, qty, &format!("reservation_{}", reservation.state.as_str()), now_ms).await;
+        }
+        if !port.leave_held(&r.t, id, to, now_ms).await? {
+            continue;
+        }
+        let entry = Entry {
+            tenant: &r.t,
+            resource: &r.k,
+            bucket: 0,
+            op,
+            qty,
+            request_id: id,
+            order_id: Some(&r.oid),
+            reservation_id: Some(id),
+            plugin_version: None,
+            at: now_ms,
+        };
+        let how = if to == ReservationState::Confirmed { Move::Confirm } else { Move::Unreserve };
+        if port.change(&Change { row: Row::Resource, how, gate: Gate::Counters, entry }).await?.is_none() {
+            return Err(StorageError::Internal(format!("resource of reservation {id} holds less than reserved")));
+        }
+        if let (Some(limit), false) = (&r.lim, to == ReservationState::Confirmed) {
+            port.give_back_limit(&r.t, limit, qty).await?;
+        }
+        return Ok(Settled::Applied);
+    }
+    Err(StorageError::Internal(format!("reservation {id} left held twice")))
+}

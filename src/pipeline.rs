@@ -1,0 +1,178 @@
+//! One path for every mutating request, each step in one place and in this order (the HTTP
+//! layer has authenticated the caller and parsed the body under its limits before):
+//!
+//! 1. **Idempotency lookup first.** A key already answered gets its stored response, byte for
+//!    byte (or a mismatch), before any validation, plugin call, mode routing or sold-out check:
+//!    a retry returns the first outcome whatever changed since (another plugin version, a lower
+//!    `orders.max_lines`, a sold-out resource). Only a miss goes on; the claim of the key inside
+//!    the commit still settles races between concurrent first uses.
+//! 2. **Validate, then plan** (the tenant's plugin or the built-in plan).
+//! 3. **Route**: redis mode ([`crate::redis_mode`], which owns mode state) or the database path.
+//! 4. **Execute**: the database path's orchestration ([`crate::apply`]) writes the outcome,
+//!    ledger rows and idempotency record in one commit; redis mode, one Lua script plus its
+//!    settlement.
+//!
+//! Reservation moves and adjustments take the same route. Nothing here speaks HTTP: outcomes
+//! are stored responses or [`Refusal`]s, which the API maps to status codes.
+
+use std::sync::Arc;
+
+use crate::engine::order::OrderBody;
+use crate::engine::{
+    InvalidValue, LineResult, OrderDocument, OrderStatus, Plan, ReservationState, ResourceKey, TenantId, MAX_LINE_QTY,
+};
+use crate::plugin::{PlanFailure, Registry};
+use crate::redis_mode::{RedisMode, RedisModeError};
+use crate::storage::{AdjustRefusal, IdempotencyRequest, Idempotent, OrderJob, Storage, StorageError, Transition};
+use crate::time::now_ms;
+
+/// The limits and defaults of orders (`[orders]`).
+#[derive(Debug, Clone, Copy)]
+pub struct OrderSettings {
+    pub max_lines: usize,
+    pub default_ttl_seconds: i64,
+}
+
+/// Why a request was refused. Nothing of it was applied, and nothing is stored under its key.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// The request breaks a rule (`field`: the offending field).
+    #[error("{field}: {reason}")]
+    Invalid { field: String, reason: InvalidValue },
+    #[error(transparent)]
+    Plan(#[from] PlanFailure),
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    #[error(transparent)]
+    Redis(#[from] RedisModeError),
+    /// The resource the request names does not exist (for this tenant).
+    #[error("no such resource")]
+    ResourceNotFound,
+}
+
+impl Refusal {
+    fn invalid(field: &str, reason: impl Into<String>) -> Self {
+        Refusal::Invalid { field: field.to_string(), reason: InvalidValue(reason.into()) }
+    }
+}
+
+/// An order's answer: the response (fresh, replayed or a mismatch) and, when decided now on the
+/// database path, how each planned line fared (for metrics).
+#[derive(Debug)]
+pub struct OrderAnswer {
+    pub response: Idempotent,
+    pub outcome: Option<(OrderStatus, Vec<LineResult>)>,
+}
+
+/// The pipeline of one process.
+pub struct Pipeline {
+    storage: Arc<dyn Storage>,
+    plugins: Arc<Registry>,
+    redis: Option<Arc<RedisMode>>,
+    orders: OrderSettings,
+}
+
+impl Pipeline {
+    pub fn new(
+        storage: Arc<dyn Storage>,
+        plugins: Arc<Registry>,
+        redis: Option<Arc<RedisMode>>,
+        orders: OrderSettings,
+    ) -> Self {
+        Self { storage, plugins, redis, orders }
+    }
+
+    pub fn redis(&self) -> Option<&RedisMode> {
+        self.redis.as_deref()
+    }
+
+    /// Step 1: the stored response of an answered key.
+    async fn answered(&self, tenant: &TenantId, idem: &IdempotencyRequest) -> Result<Option<Idempotent>, Refusal> {
+        Ok(self.storage.stored_outcome(tenant, idem).await?)
+    }
+
+    /// Applies an order: every line, or (when the plan allows) those that can.
+    pub async fn order(
+        &self,
+        tenant: &TenantId,
+        idempotency: IdempotencyRequest,
+        body: OrderBody,
+    ) -> Result<OrderAnswer, Refusal> {
+        if let Some(previous) = self.answered(tenant, &idempotency).await? {
+            return Ok(OrderAnswer { response: previous, outcome: None });
+        }
+        let order =
+            body.validate(self.orders.max_lines).map_err(|(field, reason)| Refusal::Invalid { field, reason })?;
+        let now = now_ms();
+        let plan = self.plugins.plan(tenant, &order, now).await?;
+        let ttl_seconds = order.ttl_seconds.unwrap_or(self.orders.default_ttl_seconds);
+        let job =
+            OrderJob { tenant: tenant.clone(), idempotency, order, plan, ttl_ms: ttl_seconds.saturating_mul(1000) };
+        if let Some(redis) = self.redis.as_deref().filter(|r| r.routes(&job)) {
+            return Ok(OrderAnswer { response: redis.order(&job, now).await?, outcome: None });
+        }
+        let executed = self.storage.execute_order(job, now).await?;
+        Ok(OrderAnswer { response: executed.response, outcome: executed.outcome })
+    }
+
+    /// The plan and the outcome the order would have now; applies and records nothing.
+    pub async fn dry_run(&self, tenant: &TenantId, body: OrderBody) -> Result<(Plan, OrderDocument), Refusal> {
+        let order =
+            body.validate(self.orders.max_lines).map_err(|(field, reason)| Refusal::Invalid { field, reason })?;
+        let plan = self.plugins.plan(tenant, &order, now_ms()).await?;
+        let outcome = self.storage.preview_order(tenant, &order, &plan).await?;
+        Ok((plan, outcome))
+    }
+
+    /// Restock (+) or write-off (−). A redis-mode resource is adjusted with its sales paused and
+    /// settled, then warmed again whether or not the adjustment applied.
+    pub async fn adjust(
+        &self,
+        tenant: &TenantId,
+        idempotency: IdempotencyRequest,
+        key: &ResourceKey,
+        delta: i64,
+        reason: Option<&str>,
+    ) -> Result<Idempotent, Refusal> {
+        if let Some(previous) = self.answered(tenant, &idempotency).await? {
+            return Ok(previous);
+        }
+        if delta == 0 || delta.unsigned_abs() > MAX_LINE_QTY.unsigned_abs() {
+            return Err(Refusal::invalid("delta", format!("must be non-zero and at most {MAX_LINE_QTY} in size")));
+        }
+        if reason.is_some_and(|r| r.chars().count() > 200) {
+            return Err(Refusal::invalid("reason", "must be at most 200 characters"));
+        }
+        let redis = self.redis.as_deref().filter(|r| r.is_redis(tenant.as_str(), key.as_str()));
+        if let Some(redis) = redis {
+            redis.drain(tenant.as_str(), key.as_str()).await?;
+        }
+        let adjusted = self.storage.adjust(tenant, &idempotency, key, delta, now_ms()).await;
+        if let Some(redis) = redis {
+            redis.warm(self.storage.as_ref(), tenant, key).await?;
+        }
+        match adjusted? {
+            Ok(outcome) => Ok(outcome),
+            Err(AdjustRefusal::ResourceNotFound) => Err(Refusal::ResourceNotFound),
+        }
+    }
+
+    /// Confirms or releases a reservation (made in Redis or on the database path).
+    pub async fn move_reservation(
+        &self,
+        tenant: &TenantId,
+        id: &str,
+        to: ReservationState,
+    ) -> Result<Transition, Refusal> {
+        if let Some(redis) = self.redis.as_deref() {
+            if let Some(moved) = redis.move_reservation(self.storage.as_ref(), tenant, id, to).await? {
+                return Ok(moved);
+            }
+        }
+        let now = now_ms();
+        Ok(match to {
+            ReservationState::Confirmed => self.storage.confirm_reservation(tenant, id, now).await?,
+            _ => self.storage.release_reservation(tenant, id, now).await?,
+        })
+    }
+}
