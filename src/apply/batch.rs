@@ -55,6 +55,8 @@ pub async fn admit<P: Port>(
 
     let mut out: Vec<Option<OrderExecution>> = vec![None; jobs.len()];
     let mut writes = BatchWrites::default();
+    // Each changed row's time: that of the last order that changed it.
+    let mut changed_at: HashMap<(String, String), i64> = HashMap::new();
     for (i, claim) in candidates.into_iter().zip(claims) {
         let (job, now_ms) = jobs[i];
         match claim {
@@ -69,10 +71,10 @@ pub async fn admit<P: Port>(
         let Some(admitted) = admission::admit(tenant_rows, &job.plan, job.order.action) else {
             return Err(StorageError::Internal("an eligible order was not admissible".into()));
         };
-        writes.at = writes.at.max(now_ms);
         let request_id = new_request_id();
         let reservation = new_reservation(job, now_ms);
         for change in &admitted.changes {
+            changed_at.insert((job.tenant.to_string(), change.resource.clone()), now_ms);
             let [available, reserved, consumed] = change.after;
             writes.ledger.push(LedgerRow {
                 tenant: job.tenant.to_string(),
@@ -116,6 +118,7 @@ pub async fn admit<P: Port>(
         for (key, row) in keys {
             let Some(&read_version) = read_at.get(&(tenant.clone(), key.clone())) else { continue };
             if row.version != read_version {
+                let at = changed_at.get(&(tenant.clone(), key.clone())).copied().unwrap_or_default();
                 writes.rows.push(RowWrite {
                     tenant: tenant.clone(),
                     key: key.clone(),
@@ -126,6 +129,7 @@ pub async fn admit<P: Port>(
                         version: row.version,
                     },
                     read_version,
+                    at,
                 });
             }
         }

@@ -147,6 +147,8 @@ pub struct RowWrite {
     pub key: String,
     pub after: Counts,
     pub read_version: i64,
+    /// `updated_at`: the time of the order that last changed it.
+    pub at: i64,
 }
 
 /// An idempotency record the batch stores.
@@ -166,8 +168,6 @@ pub struct BatchWrites {
     pub ledger: Vec<LedgerRow>,
     pub reservations: Vec<NewReservation>,
     pub outcomes: Vec<Outcome>,
-    /// `updated_at` of the changed rows: the latest order's time.
-    pub at: i64,
 }
 
 /// Resource rows by tenant, then key, as a batch read them (under its locks, where the backend

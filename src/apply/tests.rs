@@ -25,10 +25,9 @@
 //! results), after every step the same resource rows, and at the end the same ledger (in `seq`
 //! order), reservations, per-user limits and idempotency records. Generated ids (`req_<ULID>`,
 //! `rsv_<ULID>`) are renamed to placeholders in order of first appearance on each database;
-//! times are compared exactly, because every step is given its `now`. Resource rows'
-//! `updated_at` is left out: a batch stamps every row it writes with the time of its latest
-//! admitted order, where the per-order path stamps each row with the time of the order that
-//! last changed it.
+//! times are compared exactly, because every step is given its `now` (a resource row's
+//! `updated_at` too: the batch stamps each row with the time of the order that last changed it,
+//! as the per-order path does).
 
 use std::cell::Cell;
 use std::collections::hash_map::DefaultHasher;
@@ -555,7 +554,7 @@ impl Db {
 }
 
 const RESOURCES: &str = "SELECT tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
-        version FROM resources ORDER BY tenant_id, key";
+        version, updated_at FROM resources ORDER BY tenant_id, key";
 const LEDGER: &str = "SELECT tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
         available_after, reserved_after, consumed_after, version_after, plugin_version, at FROM ledger ORDER BY seq";
 const RESERVATIONS: &str =

@@ -783,9 +783,10 @@ impl Port for PgPort<'_> {
         let counts = sqlx::query(
             "WITH written AS (
                 UPDATE resources r SET available = u.available, reserved = u.reserved, consumed = u.consumed,
-                       version = u.version, updated_at = $8
-                FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[])
-                     AS u (tenant_id, key, available, reserved, consumed, version, was)
+                       version = u.version, updated_at = u.at
+                FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[],
+                            $8::bigint[])
+                     AS u (tenant_id, key, available, reserved, consumed, version, was, at)
                 WHERE r.tenant_id = u.tenant_id AND r.key = u.key AND r.version = u.was
                 RETURNING 1),
              ledgered AS (
@@ -819,7 +820,7 @@ impl Port for PgPort<'_> {
         .bind(col(c, |x| x.after.consumed))
         .bind(col(c, |x| x.after.version))
         .bind(col(c, |x| x.read_version))
-        .bind(w.at)
+        .bind(col(c, |x| x.at))
         .bind(col(l, |x| x.tenant.clone()))
         .bind(col(l, |x| x.resource.clone()))
         .bind(col(l, |x| x.op.as_str()))

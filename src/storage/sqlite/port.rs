@@ -643,7 +643,7 @@ impl Port for SqlitePort<'_> {
                     row.after.reserved,
                     row.after.consumed,
                     row.after.version,
-                    w.at,
+                    row.at,
                     row.tenant,
                     row.key,
                     row.read_version
