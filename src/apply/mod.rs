@@ -11,6 +11,7 @@ pub mod batch;
 pub mod buckets;
 pub mod orders;
 pub mod port;
+pub mod reads;
 pub mod reservations;
 pub mod resources;
 pub mod settlement;

@@ -5,6 +5,7 @@
 
 pub mod postgres;
 pub mod redis_store;
+pub mod rows;
 pub mod rules;
 pub mod sqlite;
 

@@ -97,21 +97,6 @@ pub(crate) fn outcome_of(idem: &IdempotencyRequest, hash: &str, code: i64, kind:
     Idempotent::Replayed(StoredResponse { status, content_type: ContentType::from_db(kind), body })
 }
 
-/// A settlement failure row as selected by both backends.
-pub(crate) fn failure_of(row: (String, String, String, String, i64, String, i64, i64)) -> SettlementFailure {
-    let (key, request_id, order_id, idempotency_key, qty, reason, available, at) = row;
-    SettlementFailure {
-        key,
-        request_id,
-        order_id,
-        idempotency_key,
-        qty,
-        reason,
-        available,
-        at: crate::time::Timestamp(at),
-    }
-}
-
 /// How a settlement record ended in the database.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {

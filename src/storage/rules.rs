@@ -5,83 +5,18 @@ use ulid::Ulid;
 
 use crate::apply::orders::refusal;
 use crate::apply::port::View;
-use crate::engine::{Kind, Mode, ResourceKey, MAX_TOTAL};
+use crate::engine::{ResourceKey, MAX_TOTAL};
 use crate::problem::Problem;
 
-use crate::engine::TenantId;
 use crate::engine::{
-    reconcile, BucketCounts, BucketTake, LedgerOp, LedgerSum, LineResult, NewestEntry, PlannedLine, Reason,
-    Reconciliation, ReservationLine, ResourceState, ResourceStatus, Target,
+    BucketCounts, BucketTake, LineResult, PlannedLine, Reason, ReservationLine, ResourceState, Target,
 };
 use crate::ratelimit::RateLimit;
-use crate::storage::{ApiKeyRecord, OrderJob, StorageError, TenantRecord};
-
-/// The resource columns every backend selects, in the order their row mappers expect.
-pub const RESOURCE_COLUMNS: &str =
-    "key, kind, status, available, reserved, consumed, total, buckets, mode, version, updated_at";
-
-/// The tenant columns every backend selects for [`tenant_row`].
-pub const TENANT_COLUMNS: &str = "id, name, created_at, rate_limit_rps, rate_limit_burst";
-
-/// The API key columns (`k`) and its tenant's rate (`t`) every backend selects for
-/// [`api_key_row`].
-pub const API_KEY_COLUMNS: &str = "k.id, k.tenant_id, k.hash, t.rate_limit_rps, t.rate_limit_burst";
+use crate::storage::{OrderJob, StorageError};
 
 /// A tenant's own rate as its two nullable columns (rate per second, burst).
 pub fn rate_limit_columns(limit: Option<RateLimit>) -> (Option<i64>, Option<i64>) {
     (limit.map(|l| i64::from(l.requests_per_second)), limit.map(|l| i64::from(l.burst)))
-}
-
-fn rate_limit_from_row<R>(row: &R) -> Result<Option<RateLimit>, StorageError>
-where
-    R: sqlx::Row,
-    for<'a> &'a str: sqlx::ColumnIndex<R>,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    let rps: Option<i64> = row.try_get("rate_limit_rps")?;
-    let burst: Option<i64> = row.try_get("rate_limit_burst")?;
-    let bad = |_| StorageError::Internal("unexpected tenant rate limit".into());
-    match (rps, burst) {
-        (Some(rps), Some(burst)) => Ok(Some(RateLimit {
-            requests_per_second: u32::try_from(rps).map_err(bad)?,
-            burst: u32::try_from(burst).map_err(bad)?,
-        })),
-        _ => Ok(None),
-    }
-}
-
-/// A tenant selected as [`TENANT_COLUMNS`].
-pub fn tenant_row<R>(row: &R) -> Result<TenantRecord, StorageError>
-where
-    R: sqlx::Row,
-    for<'a> &'a str: sqlx::ColumnIndex<R>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    let id: String = row.try_get("id")?;
-    Ok(TenantRecord {
-        id: TenantId::parse(id).map_err(|e| StorageError::Internal(e.to_string()))?,
-        name: row.try_get("name")?,
-        created_at_ms: row.try_get("created_at")?,
-        rate_limit: rate_limit_from_row(row)?,
-    })
-}
-
-/// An API key selected as [`API_KEY_COLUMNS`].
-pub fn api_key_row<R>(row: &R) -> Result<ApiKeyRecord, StorageError>
-where
-    R: sqlx::Row,
-    for<'a> &'a str: sqlx::ColumnIndex<R>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    let tenant: String = row.try_get("tenant_id")?;
-    Ok(ApiKeyRecord {
-        id: row.try_get("id")?,
-        tenant_id: TenantId::parse(tenant).map_err(|e| StorageError::Internal(e.to_string()))?,
-        hash: row.try_get("hash")?,
-        rate_limit: rate_limit_from_row(row)?,
-    })
 }
 
 /// A new identity for one business action; the ledger's unique key includes it.
@@ -107,18 +42,6 @@ pub fn adjust_refusal(key: &ResourceKey, available: i64, delta: i64) -> Problem 
             format!("{key} would exceed the largest total, {MAX_TOTAL}"),
         )
     }
-}
-
-/// A resource as a dry run judges it, from its stored columns.
-pub fn view_of(status: &str, kind: &str, mode: &str, available: i64, buckets: i64) -> Result<View, StorageError> {
-    let corrupt = || StorageError::Internal("unexpected stored value in resources".into());
-    Ok(View {
-        status: ResourceStatus::from_db(status).ok_or_else(corrupt)?,
-        kind: Kind::from_db(kind).ok_or_else(corrupt)?,
-        mode: Mode::from_db(mode).ok_or_else(corrupt)?,
-        available,
-        buckets,
-    })
 }
 
 /// What a line would do now, for the dry run: `used` is its limit key's count so far, `views`
@@ -180,53 +103,6 @@ pub fn reservation_lines_json(
         })
         .collect();
     serde_json::to_string(&lines).map_err(|e| StorageError::Internal(e.to_string()))
-}
-
-/// Judges reconciliation from the rows both backends read in one snapshot: resources (with their
-/// tenant, mapped by the backend), per-op ledger sums (`tenant_id, resource_key, op, qty, n`) and
-/// each resource's newest entry (`tenant_id, resource_key, available_after, reserved_after,
-/// consumed_after`).
-pub fn reconcile_rows<R>(
-    resources: Vec<(String, ResourceState)>,
-    sums: &[R],
-    latest: &[R],
-) -> Result<Reconciliation, StorageError>
-where
-    R: sqlx::Row,
-    for<'a> &'a str: sqlx::ColumnIndex<R>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    let sums = sums
-        .iter()
-        .map(|row| {
-            let op: String = row.try_get("op")?;
-            Ok(LedgerSum {
-                tenant: row.try_get("tenant_id")?,
-                key: row.try_get("resource_key")?,
-                bucket: row.try_get("bucket")?,
-                op: LedgerOp::from_db(&op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
-                qty: row.try_get("qty")?,
-                count: row.try_get("n")?,
-            })
-        })
-        .collect::<Result<Vec<_>, StorageError>>()?;
-    let newest = latest
-        .iter()
-        .map(|row| {
-            Ok(NewestEntry {
-                tenant: row.try_get("tenant_id")?,
-                key: row.try_get("resource_key")?,
-                bucket: row.try_get("bucket")?,
-                after: [
-                    row.try_get("available_after")?,
-                    row.try_get("reserved_after")?,
-                    row.try_get("consumed_after")?,
-                ],
-            })
-        })
-        .collect::<Result<Vec<_>, StorageError>>()?;
-    Ok(reconcile(&resources, &sums, &newest))
 }
 
 /// The most buckets a resource may have.
@@ -333,35 +209,6 @@ pub fn rebalance_moves(available: &[i64]) -> Vec<(i64, i64)> {
         goal[i] = target[rank];
     }
     (0..available.len()).filter(|&i| goal[i] != available[i]).map(|i| (i as i64, goal[i] - available[i])).collect()
-}
-
-/// The columns of `resource_buckets` that [`bucket_rows`] maps.
-pub const BUCKET_COLUMNS: &str = "tenant_id, resource_key, bucket, available, reserved, consumed, version, updated_at";
-
-/// Bucket rows (selected as [`BUCKET_COLUMNS`]) grouped by `(tenant, resource)`, each group in
-/// the order the rows came.
-pub fn bucket_rows<R>(
-    rows: &[R],
-) -> Result<std::collections::HashMap<(String, String), Vec<BucketCounts>>, StorageError>
-where
-    R: sqlx::Row,
-    for<'a> &'a str: sqlx::ColumnIndex<R>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    let mut grouped: std::collections::HashMap<(String, String), Vec<BucketCounts>> = std::collections::HashMap::new();
-    for row in rows {
-        let id = (row.try_get("tenant_id")?, row.try_get("resource_key")?);
-        grouped.entry(id).or_default().push(BucketCounts {
-            bucket: row.try_get("bucket")?,
-            available: row.try_get("available")?,
-            reserved: row.try_get("reserved")?,
-            consumed: row.try_get("consumed")?,
-            version: row.try_get("version")?,
-            updated_at_ms: row.try_get("updated_at")?,
-        });
-    }
-    Ok(grouped)
 }
 
 /// Folds bucketed resources' totals in from their grouped bucket rows; `keep_counts`: whether

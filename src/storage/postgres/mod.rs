@@ -18,31 +18,27 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
-use sqlx::{ConnectOptions, Connection, Postgres, Row};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, Postgres};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use self::batcher::{run_batcher, work, LockSet, Pending, PendingOrder, Queued, Work, ATTEMPT_DEADLINE};
-use self::port::{reservation_from_row, resource_from_row, PgPort};
-use super::rules::{
-    self, bucket_rows, fold_all, preview_line, previewed, reconcile_rows, API_KEY_COLUMNS, BUCKET_COLUMNS,
-    RESOURCE_COLUMNS, TENANT_COLUMNS,
-};
+use self::port::PgPort;
+use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
 };
 use crate::apply::port::Port;
-use crate::apply::{buckets, reservations, resources};
+use crate::apply::{buckets, reads, reservations, resources};
 use crate::engine::{
-    LedgerEntry, LedgerOp, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
+    LedgerEntry, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
     ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
 use crate::storage::redis_store::{outcome_of, STORED_OUTCOME_SQL};
-use crate::time::Timestamp;
 
 /// How the PostgreSQL backend is opened.
 #[derive(Debug, Clone)]
@@ -144,24 +140,6 @@ impl PgStorage {
 /// A transaction that sees one snapshot and writes nothing, for reads made of several queries.
 const SNAPSHOT: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
 
-fn ledger_from_row(row: &PgRow) -> Result<LedgerEntry, StorageError> {
-    let op: &str = row.try_get("op")?;
-    Ok(LedgerEntry {
-        seq: row.try_get("seq")?,
-        bucket: row.try_get("bucket")?,
-        op: LedgerOp::from_db(op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
-        qty: row.try_get("qty")?,
-        request_id: row.try_get("request_id")?,
-        order_id: row.try_get("order_id")?,
-        reservation_id: row.try_get("reservation_id")?,
-        available_after: row.try_get("available_after")?,
-        reserved_after: row.try_get("reserved_after")?,
-        consumed_after: row.try_get("consumed_after")?,
-        plugin_version: row.try_get("plugin_version")?,
-        at: Timestamp(row.try_get("at")?),
-    })
-}
-
 #[async_trait]
 impl Storage for PgStorage {
     async fn ready(&self) -> Result<(), StorageError> {
@@ -197,7 +175,7 @@ impl Storage for PgStorage {
         let rows = sqlx::query(&format!("SELECT {TENANT_COLUMNS} FROM tenants ORDER BY id COLLATE \"C\" LIMIT 10000"))
             .fetch_all(&mut *conn)
             .await?;
-        rows.iter().map(rules::tenant_row).collect()
+        rows.iter().map(|row| rows::tenant(row)).collect()
     }
 
     async fn add_api_key(&self, tenant: &TenantId, key: &NewApiKey, now_ms: i64) -> Result<Option<()>, StorageError> {
@@ -233,7 +211,7 @@ impl Storage for PgStorage {
         .bind(hash)
         .fetch_optional(&mut *conn)
         .await?;
-        row.as_ref().map(rules::api_key_row).transpose()
+        row.as_ref().map(|row| rows::api_key(row)).transpose()
     }
 
     async fn ensure_config_tenant(
@@ -258,7 +236,7 @@ impl Storage for PgStorage {
     }
 
     async fn set_rate_limit(&self, tenant: &TenantId, limit: Option<RateLimit>) -> Result<Option<()>, StorageError> {
-        let (rps, burst) = rules::rate_limit_columns(limit);
+        let (rps, burst) = crate::storage::rules::rate_limit_columns(limit);
         let mut conn = acquire(&self.pool).await?;
         let updated = sqlx::query("UPDATE tenants SET rate_limit_rps = $1, rate_limit_burst = $2 WHERE id = $3")
             .bind(rps)
@@ -287,14 +265,9 @@ impl Storage for PgStorage {
     }
 
     async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError> {
-        let sql = format!("SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = $1 AND key = $2");
         let mut conn = acquire(&self.pool).await?;
         let mut tx = conn.begin_with(SNAPSHOT).await?;
-        let row = sqlx::query(&sql).bind(tenant.as_str()).bind(key.as_str()).fetch_optional(&mut *tx).await?;
-        let state = match row.as_ref().map(resource_from_row).transpose()? {
-            Some(state) => Some(buckets::complete(&mut PgPort::new(&mut tx), tenant.as_str(), state).await?),
-            None => None,
-        };
+        let state = reads::resource(&mut PgPort::new(&mut tx), tenant, key.as_str()).await?;
         tx.commit().await?;
         Ok(state)
     }
@@ -306,33 +279,11 @@ impl Storage for PgStorage {
         after: Option<&str>,
         limit: u32,
     ) -> Result<Vec<ResourceState>, StorageError> {
-        // Keys are [A-Za-z0-9._:@-], so a prefix range needs no LIKE escaping: every key with
-        // the prefix sorts in [prefix, prefix || chr(0x7f)) in byte order. COLLATE "C" makes the
-        // comparisons and the page order bytewise whatever the database's default collation
-        // (a linguistic one may ignore punctuation, and pages would skip or repeat keys).
-        let prefix = prefix.unwrap_or("");
-        let sql = format!(
-            "SELECT {RESOURCE_COLUMNS} FROM resources
-             WHERE tenant_id = $1 AND key COLLATE \"C\" >= $2 AND key COLLATE \"C\" < $3 AND key COLLATE \"C\" > $4
-             ORDER BY key COLLATE \"C\" LIMIT $5"
-        );
         let mut conn = acquire(&self.pool).await?;
-        let rows = sqlx::query(&sql)
-            .bind(tenant.as_str())
-            .bind(prefix)
-            .bind(format!("{prefix}\u{7f}"))
-            .bind(after.unwrap_or(""))
-            .bind(i64::from(limit))
-            .fetch_all(&mut *conn)
-            .await?;
-        let mut states = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let mut state =
-                buckets::complete(&mut PgPort::new(&mut conn), tenant.as_str(), resource_from_row(row)?).await?;
-            state.bucket_counts = None;
-            states.push(state);
-        }
-        Ok(states)
+        let mut tx = conn.begin_with(SNAPSHOT).await?;
+        let page = reads::resources(&mut PgPort::new(&mut tx), tenant, prefix, after, limit).await?;
+        tx.commit().await?;
+        Ok(page)
     }
 
     async fn set_resource_status(
@@ -387,29 +338,9 @@ impl Storage for PgStorage {
     ) -> Result<Option<Vec<LedgerEntry>>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
         let mut tx = conn.begin_with(SNAPSHOT).await?;
-        let exists = sqlx::query("SELECT 1 FROM resources WHERE tenant_id = $1 AND key = $2")
-            .bind(tenant.as_str())
-            .bind(key.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-        if exists.is_none() {
-            return Ok(None);
-        }
-        // Paging by `seq` is gap-free per resource: its ledger rows are written while the
-        // resource row is locked, so they commit in `seq` order.
-        let rows = sqlx::query(
-            "SELECT seq, bucket, op, qty, request_id, order_id, reservation_id, available_after, reserved_after,
-                    consumed_after, plugin_version, at
-             FROM ledger WHERE tenant_id = $1 AND resource_key = $2 AND seq > $3 ORDER BY seq LIMIT $4",
-        )
-        .bind(tenant.as_str())
-        .bind(key.as_str())
-        .bind(after)
-        .bind(i64::from(limit))
-        .fetch_all(&mut *tx)
-        .await?;
+        let page = reads::ledger(&mut PgPort::new(&mut tx), tenant, key.as_str(), after, limit).await?;
         tx.commit().await?;
-        rows.iter().map(ledger_from_row).collect::<Result<Vec<_>, _>>().map(Some)
+        Ok(page)
     }
 
     async fn stored_outcome(
@@ -442,39 +373,14 @@ impl Storage for PgStorage {
     ) -> Result<OrderDocument, StorageError> {
         let mut conn = acquire(&self.pool).await?;
         let mut tx = conn.begin_with(SNAPSHOT).await?;
-        let mut results = Vec::with_capacity(plan.lines.len());
-        for line in &plan.lines {
-            let used: Option<i64> = match &line.limit {
-                Some(limit) => {
-                    sqlx::query_scalar("SELECT used FROM user_limits WHERE tenant_id = $1 AND key = $2")
-                        .bind(tenant.as_str())
-                        .bind(limit.key.as_str())
-                        .fetch_optional(&mut *tx)
-                        .await?
-                }
-                None => None,
-            };
-            let mut views = Vec::with_capacity(line.targets.len());
-            for target in &line.targets {
-                let view = PgPort::new(&mut tx).view(tenant.as_str(), target.resource.as_str()).await?;
-                views.push(previewed(target, view)?);
-            }
-            results.push(preview_line(line, used.unwrap_or(0), views));
-        }
+        let outcome = reads::preview(&mut PgPort::new(&mut tx), tenant, order, plan).await?;
         tx.commit().await?;
-        Ok(OrderDocument::build(order, plan, &results, None))
+        Ok(outcome)
     }
 
     async fn get_reservation(&self, tenant: &TenantId, id: &str) -> Result<Option<Reservation>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let row = sqlx::query(
-            "SELECT id, order_id, state, lines, expires_at FROM reservations WHERE tenant_id = $1 AND id = $2",
-        )
-        .bind(tenant.as_str())
-        .bind(id)
-        .fetch_optional(&mut *conn)
-        .await?;
-        row.as_ref().map(reservation_from_row).transpose()
+        PgPort::new(&mut conn).reservation(tenant.as_str(), id).await
     }
 
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
@@ -524,45 +430,9 @@ impl Storage for PgStorage {
         // between the queries can never look like drift.
         let mut conn = acquire(&self.pool).await?;
         let mut tx = conn.begin_with(SNAPSHOT).await?;
-        let tenant = tenant.map(TenantId::as_str);
-        let sql = format!(
-            "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources WHERE ($1::text IS NULL OR tenant_id = $1::text)
-             ORDER BY tenant_id COLLATE \"C\", key COLLATE \"C\""
-        );
-        let resources = sqlx::query(&sql).bind(tenant).fetch_all(&mut *tx).await?;
-        // SUM over BIGINT is NUMERIC in PostgreSQL; the cast fails (rather than wraps) on overflow.
-        let sums = sqlx::query(
-            "SELECT tenant_id, resource_key, bucket, op, SUM(qty)::BIGINT AS qty, COUNT(*) AS n FROM ledger
-             WHERE ($1::text IS NULL OR tenant_id = $1::text) GROUP BY tenant_id, resource_key, bucket, op",
-        )
-        .bind(tenant)
-        .fetch_all(&mut *tx)
-        .await?;
-        let latest = sqlx::query(
-            "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
-             FROM ledger l
-             JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE ($1::text IS NULL OR tenant_id = $1::text)
-                   GROUP BY tenant_id, resource_key, bucket) m
-               ON l.seq = m.seq",
-        )
-        .bind(tenant)
-        .fetch_all(&mut *tx)
-        .await?;
-        let buckets_read = sqlx::query(&format!(
-            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE ($1::text IS NULL OR tenant_id = $1::text)
-             ORDER BY tenant_id, resource_key, bucket"
-        ))
-        .bind(tenant)
-        .fetch_all(&mut *tx)
-        .await?;
+        let report = reads::reconciliation(&mut PgPort::new(&mut tx), tenant).await?;
         tx.commit().await?;
-
-        let mut resources = resources
-            .iter()
-            .map(|row| Ok((row.try_get("tenant_id")?, resource_from_row(row)?)))
-            .collect::<Result<Vec<_>, StorageError>>()?;
-        fold_all(&mut resources, bucket_rows(&buckets_read)?, true);
-        reconcile_rows(resources, &sums, &latest)
+        Ok(report)
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
@@ -588,24 +458,15 @@ impl Storage for PgStorage {
 
     async fn list_plugins(&self, tenant: &TenantId) -> Result<Vec<PluginVersion>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let rows: Vec<(i64, String, String, i64, bool)> = sqlx::query_as(
-            "SELECT p.version, p.sha256, p.config, p.uploaded_at, COALESCE(a.version = p.version, FALSE)
+        let rows = sqlx::query(
+            "SELECT p.version, p.sha256, p.config, p.uploaded_at, COALESCE(a.version = p.version, FALSE) AS active
              FROM plugins p LEFT JOIN plugin_active a ON a.tenant_id = p.tenant_id
              WHERE p.tenant_id = $1 ORDER BY p.version LIMIT 10000",
         )
         .bind(tenant.as_str())
         .fetch_all(&mut *conn)
         .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(version, sha256, config, uploaded_at_ms, active)| PluginVersion {
-                version,
-                sha256,
-                config,
-                uploaded_at_ms,
-                active,
-            })
-            .collect())
+        rows.iter().map(|row| rows::plugin_version(row)).collect()
     }
 
     async fn activate_plugin(&self, tenant: &TenantId, version: i64) -> Result<Option<PluginVersion>, StorageError> {
@@ -622,20 +483,14 @@ impl Storage for PgStorage {
 
     async fn active_plugin(&self, tenant: &TenantId) -> Result<Option<PluginVersion>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let row: Option<(i64, String, String, i64)> = sqlx::query_as(
-            "SELECT p.version, p.sha256, p.config, p.uploaded_at FROM plugin_active a
+        let row = sqlx::query(
+            "SELECT p.version, p.sha256, p.config, p.uploaded_at, TRUE AS active FROM plugin_active a
              JOIN plugins p ON p.tenant_id = a.tenant_id AND p.version = a.version WHERE a.tenant_id = $1",
         )
         .bind(tenant.as_str())
         .fetch_optional(&mut *conn)
         .await?;
-        Ok(row.map(|(version, sha256, config, uploaded_at_ms)| PluginVersion {
-            version,
-            sha256,
-            config,
-            uploaded_at_ms,
-            active: true,
-        }))
+        row.as_ref().map(|row| rows::plugin_version(row)).transpose()
     }
 
     async fn plugin_wasm(&self, tenant: &TenantId, version: i64) -> Result<Option<Vec<u8>>, StorageError> {

@@ -9,65 +9,25 @@
 //! rows with `SKIP LOCKED`.
 
 use sqlx::postgres::PgRow;
+use std::collections::HashMap;
+
 use sqlx::{PgConnection, Row as SqlRow};
 
 use crate::apply::port::{
     BatchWrites, Change, Claim, Counts, Entry, Gate, LockedRows, Move, NewReservation, Port, Row, Savepoint, View,
 };
+use crate::apply::reads::{LedgerRows, Reads};
 use crate::engine::admission::Row as AdmissionRow;
 use crate::engine::{
-    BucketCounts, Kind, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus, TenantId,
-    MAX_TOTAL,
+    BucketCounts, Kind, LedgerEntry, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus,
+    TenantId, MAX_TOTAL,
 };
 use crate::storage::redis_store::SettleRecord;
-use crate::storage::rules::{bucket_rows, BUCKET_COLUMNS, RESOURCE_COLUMNS};
+use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{ContentType, IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
-use crate::time::Timestamp;
 
 fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
-}
-
-/// A resource row selected or returned with [`RESOURCE_COLUMNS`].
-pub(super) fn resource_from_row(row: &PgRow) -> Result<ResourceState, StorageError> {
-    let kind: &str = row.try_get("kind")?;
-    let status: &str = row.try_get("status")?;
-    let mode: &str = row.try_get("mode")?;
-    let (Some(kind), Some(status), Some(mode)) =
-        (Kind::from_db(kind), ResourceStatus::from_db(status), Mode::from_db(mode))
-    else {
-        return Err(corrupt("resources"));
-    };
-    Ok(ResourceState {
-        key: row.try_get("key")?,
-        kind,
-        status,
-        available: row.try_get("available")?,
-        reserved: row.try_get("reserved")?,
-        consumed: row.try_get("consumed")?,
-        total: row.try_get("total")?,
-        buckets: row.try_get("buckets")?,
-        mode,
-        version: row.try_get("version")?,
-        updated_at: Timestamp(row.try_get("updated_at")?),
-        bucket_counts: None,
-    })
-}
-
-/// A reservation row with `id, order_id, state, lines, expires_at`.
-pub(super) fn reservation_from_row(row: &PgRow) -> Result<Reservation, StorageError> {
-    let state: &str = row.try_get("state")?;
-    let lines: &str = row.try_get("lines")?;
-    let (Some(state), Ok(lines)) = (ReservationState::from_db(state), serde_json::from_str(lines)) else {
-        return Err(corrupt("reservations"));
-    };
-    Ok(Reservation {
-        id: row.try_get("id")?,
-        order_id: row.try_get("order_id")?,
-        state,
-        lines,
-        expires_at: Timestamp(row.try_get("expires_at")?),
-    })
 }
 
 /// The response stored in an idempotency row (`response_code, response_type, response_body`);
@@ -82,15 +42,6 @@ pub(super) fn stored_response(row: &PgRow) -> Result<Option<StoredResponse>, Sto
         content_type: ContentType::from_db(kind),
         body,
     }))
-}
-
-fn counts(row: &PgRow) -> Result<Counts, StorageError> {
-    Ok(Counts {
-        available: row.try_get("available")?,
-        reserved: row.try_get("reserved")?,
-        consumed: row.try_get("consumed")?,
-        version: row.try_get("version")?,
-    })
 }
 
 /// A guarded UPDATE and its ledger row in one statement. `$1` quantity, `$2` time, `$3` tenant,
@@ -377,7 +328,7 @@ impl Port for PgPort<'_> {
             (Row::Resource, Move::Adjust, _) => query.bind(MAX_TOTAL),
             _ => query,
         };
-        query.fetch_optional(&mut *self.conn).await?.as_ref().map(counts).transpose()
+        query.fetch_optional(&mut *self.conn).await?.as_ref().map(|row| rows::counts(row)).transpose()
     }
 
     async fn append_ledger(&mut self, e: &Entry<'_>, after: Counts) -> Result<(), StorageError> {
@@ -433,7 +384,7 @@ impl Port for PgPort<'_> {
             .bind(key)
             .fetch_optional(&mut *self.conn)
             .await?;
-        row.as_ref().map(resource_from_row).transpose()
+        row.as_ref().map(|row| rows::resource(row)).transpose()
     }
 
     async fn set_status(
@@ -453,7 +404,7 @@ impl Port for PgPort<'_> {
         .bind(key)
         .fetch_optional(&mut *self.conn)
         .await?;
-        row.as_ref().map(resource_from_row).transpose()
+        row.as_ref().map(|row| rows::resource(row)).transpose()
     }
 
     async fn insert_resource(
@@ -480,7 +431,7 @@ impl Port for PgPort<'_> {
         .fetch_optional(&mut *self.conn)
         .await?;
         let Some(row) = row else { return Ok(None) };
-        Ok(Some((resource_from_row(&row)?, counts(&row)?)))
+        Ok(Some((rows::resource(&row)?, rows::counts(&row)?)))
     }
 
     async fn insert_buckets(&mut self, shares: &[i64], e: &Entry<'_>) -> Result<(), StorageError> {
@@ -517,7 +468,7 @@ impl Port for PgPort<'_> {
         .bind(key)
         .fetch_all(&mut *self.conn)
         .await?;
-        Ok(bucket_rows(&rows)?.into_values().next().unwrap_or_default())
+        rows.iter().map(|row| Ok(rows::bucket(row)?.1)).collect()
     }
 
     /// Each resource row is locked, in the batches' global order, so no batch deducts from its
@@ -587,7 +538,7 @@ impl Port for PgPort<'_> {
         .bind(id)
         .fetch_optional(&mut *self.conn)
         .await?;
-        row.as_ref().map(reservation_from_row).transpose()
+        row.as_ref().map(|row| rows::reservation(row)).transpose()
     }
 
     /// Under READ COMMITTED this waits for a concurrent mover's commit and then re-checks
@@ -624,7 +575,7 @@ impl Port for PgPort<'_> {
         .bind(i64::from(limit))
         .fetch_all(&mut *self.conn)
         .await?;
-        rows.iter().map(|row| Ok((row.try_get("tenant_id")?, reservation_from_row(row)?))).collect()
+        rows.iter().map(|row| Ok((row.text("tenant_id")?, rows::reservation(row)?))).collect()
     }
 
     /// Claimed first: a second consumer settling the same entry waits here for the first one's
@@ -859,5 +810,123 @@ impl Port for PgPort<'_> {
             }
         }
         Ok(())
+    }
+}
+
+impl Reads for PgPort<'_> {
+    async fn resources_page(
+        &mut self,
+        tenant: &str,
+        prefix: &str,
+        after: &str,
+        limit: u32,
+    ) -> Result<Vec<ResourceState>, StorageError> {
+        // Keys are [A-Za-z0-9._:@-], so a prefix range needs no LIKE escaping: every key with
+        // the prefix sorts in [prefix, prefix || chr(0x7f)) in byte order. COLLATE "C" makes the
+        // comparisons and the page order bytewise whatever the database's default collation
+        // (a linguistic one may ignore punctuation, and pages would skip or repeat keys).
+        let rows = sqlx::query(&format!(
+            "SELECT {RESOURCE_COLUMNS} FROM resources
+             WHERE tenant_id = $1 AND key COLLATE \"C\" >= $2 AND key COLLATE \"C\" < $3 AND key COLLATE \"C\" > $4
+             ORDER BY key COLLATE \"C\" LIMIT $5"
+        ))
+        .bind(tenant)
+        .bind(prefix)
+        .bind(format!("{prefix}\u{7f}"))
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *self.conn)
+        .await?;
+        rows.iter().map(|row| rows::resource(row)).collect()
+    }
+
+    async fn buckets_of(
+        &mut self,
+        tenant: &str,
+        keys: &[String],
+    ) -> Result<HashMap<(String, String), Vec<BucketCounts>>, StorageError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE tenant_id = $1 AND resource_key = ANY($2)
+             ORDER BY resource_key, bucket"
+        ))
+        .bind(tenant)
+        .bind(keys)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        Ok(rows::group_buckets(rows.iter().map(|row| rows::bucket(row)).collect::<Result<Vec<_>, _>>()?))
+    }
+
+    /// Paging by `seq` is gap-free per resource: its ledger rows are written while the resource
+    /// row is locked, so they commit in `seq` order.
+    async fn ledger_entries(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<LedgerEntry>, StorageError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant_id = $1 AND resource_key = $2 AND seq > $3
+             ORDER BY seq LIMIT $4"
+        ))
+        .bind(tenant)
+        .bind(key)
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *self.conn)
+        .await?;
+        rows.iter().map(|row| rows::ledger_entry(row)).collect()
+    }
+
+    async fn limit_used(&mut self, tenant: &str, key: &str) -> Result<i64, StorageError> {
+        let used: Option<i64> = sqlx::query_scalar("SELECT used FROM user_limits WHERE tenant_id = $1 AND key = $2")
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&mut *self.conn)
+            .await?;
+        Ok(used.unwrap_or(0))
+    }
+
+    async fn ledger_rows(&mut self, tenant: Option<&str>) -> Result<LedgerRows, StorageError> {
+        let resources = sqlx::query(&format!(
+            "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources WHERE ($1::text IS NULL OR tenant_id = $1::text)
+             ORDER BY tenant_id COLLATE \"C\", key COLLATE \"C\""
+        ))
+        .bind(tenant)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        let resources = resources
+            .iter()
+            .map(|row| Ok((row.text("tenant_id")?, rows::resource(row)?)))
+            .collect::<Result<_, StorageError>>()?;
+        // SUM over BIGINT is NUMERIC in PostgreSQL; the cast fails (rather than wraps) on overflow.
+        let sums = sqlx::query(
+            "SELECT tenant_id, resource_key, bucket, op, SUM(qty)::BIGINT AS qty, COUNT(*) AS n FROM ledger
+             WHERE ($1::text IS NULL OR tenant_id = $1::text) GROUP BY tenant_id, resource_key, bucket, op",
+        )
+        .bind(tenant)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        let sums = sums.iter().map(|row| rows::ledger_sum(row)).collect::<Result<_, _>>()?;
+        let newest = sqlx::query(
+            "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
+             FROM ledger l
+             JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE ($1::text IS NULL OR tenant_id = $1::text)
+                   GROUP BY tenant_id, resource_key, bucket) m
+               ON l.seq = m.seq",
+        )
+        .bind(tenant)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        let newest = newest.iter().map(|row| rows::newest_entry(row)).collect::<Result<_, _>>()?;
+        let buckets = sqlx::query(&format!(
+            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE ($1::text IS NULL OR tenant_id = $1::text)
+             ORDER BY tenant_id, resource_key, bucket"
+        ))
+        .bind(tenant)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        let buckets = rows::group_buckets(buckets.iter().map(|row| rows::bucket(row)).collect::<Result<Vec<_>, _>>()?);
+        Ok(LedgerRows { resources, sums, newest, buckets })
     }
 }

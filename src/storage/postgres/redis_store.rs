@@ -5,15 +5,15 @@
 //! each claims the record's request id in `redis_settled` first, and the second finds it taken.
 
 use async_trait::async_trait;
-use sqlx::Row;
 
 use super::batcher::work;
 use super::port::PgPort;
 use super::{acquire, PgStorage};
 use crate::engine::{Mode, ResourceKey, ResourceState, TenantId};
 use crate::storage::redis_store::{
-    failure_of, parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, REDIS_RESOURCES_SQL,
+    parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, REDIS_RESOURCES_SQL,
 };
+use crate::storage::rows::{self, Columns};
 use crate::storage::StorageError;
 
 #[async_trait]
@@ -68,13 +68,12 @@ impl RedisStore for PgStorage {
     async fn redis_resources(&self, limit: u32) -> Result<Vec<(TenantId, ResourceKey)>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
         let rows = sqlx::query(REDIS_RESOURCES_SQL).bind(i64::from(limit)).fetch_all(&mut *conn).await?;
-        rows.iter().map(|row| parse_pair(row.try_get("tenant_id")?, row.try_get("key")?)).collect()
+        rows.iter().map(|row| parse_pair(row.text("tenant_id")?, row.text("key")?)).collect()
     }
 
     async fn settlement_failures(&self, tenant: &TenantId, limit: u32) -> Result<Vec<SettlementFailure>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let rows: Vec<(String, String, String, String, i64, String, i64, i64)> =
-            sqlx::query_as(FAILURES_SQL).bind(tenant.as_str()).bind(i64::from(limit)).fetch_all(&mut *conn).await?;
-        Ok(rows.into_iter().map(failure_of).collect())
+        let rows = sqlx::query(FAILURES_SQL).bind(tenant.as_str()).bind(i64::from(limit)).fetch_all(&mut *conn).await?;
+        rows.iter().map(|row| rows::settlement_failure(row)).collect()
     }
 }

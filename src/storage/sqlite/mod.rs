@@ -1,40 +1,40 @@
-//! The embedded SQLite backend (WAL). Writes go through one group-committing writer thread
-//! ([`writer`], [`ops`]); reads use a pool of read connections that WAL lets run beside it.
+//! The embedded SQLite backend (WAL), on one driver (rusqlite): writes go through one
+//! group-committing writer thread ([`writer`]) and are [`crate::apply`] over [`port::SqlitePort`]
+//! (or plain SQL in [`ops`] for tenants, keys and plugins); reads run on read-only connections
+//! beside it ([`readers`]), most over the same port. sqlx only applies the migrations at start.
 
-pub mod lookup;
 pub mod ops;
 pub mod port;
+pub mod readers;
 pub mod redis_store;
 pub mod writer;
 
 use std::path::Path;
 use std::str::FromStr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{ConnectOptions, Row};
+use rusqlite::{params, OptionalExtension};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::ConnectOptions;
 
-use self::port::SqlitePort;
+use self::port::{all, mapped, SqlitePort};
+use self::readers::Readers;
 use self::writer::{Writer, WriterLimits};
-use super::rules::{
-    self, bucket_rows, fold_all, preview_line, previewed, reconcile_rows, API_KEY_COLUMNS, BUCKET_COLUMNS,
-    RESOURCE_COLUMNS, TENANT_COLUMNS,
-};
+use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
     OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
 };
 use crate::apply::port::run_now;
-use crate::apply::{buckets, reservations, resources};
+use crate::apply::{buckets, reads, reservations, resources};
 use crate::engine::{
-    Kind, LedgerEntry, LedgerOp, Mode, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation,
-    ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
+    LedgerEntry, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
+    ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
 use crate::storage::redis_store::{outcome_of, STORED_OUTCOME_SQL};
-use crate::time::Timestamp;
 
 /// How the SQLite backend is opened.
 #[derive(Debug, Clone)]
@@ -49,9 +49,7 @@ pub struct SqliteSettings {
 }
 
 pub struct SqliteStorage {
-    read: SqlitePool,
-    /// In-process idempotency lookups (the first step of every mutating request).
-    lookups: lookup::Lookups,
+    readers: Arc<Readers>,
     writer: Mutex<Option<Writer>>,
     writer_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     checkpointer: Mutex<Option<Checkpointer>>,
@@ -122,18 +120,15 @@ impl SqliteStorage {
     /// Opens the database, applies migrations and starts the writer.
     pub async fn open(settings: &SqliteSettings) -> Result<Self, StorageError> {
         let opts = options(settings)?;
-        let read = SqlitePoolOptions::new()
-            .max_connections(settings.read_connections.max(1))
-            .connect_with(opts.clone())
-            .await?;
-        MIGRATOR.run(&read).await.map_err(|e| StorageError::Internal(format!("migration failed: {e}")))?;
+        Self::migrate(settings).await?;
         let write_conn = open_writer(opts.get_filename(), settings)?;
         let checkpointer = Checkpointer::start(opts.get_filename(), settings)?;
         let (writer, thread) = Writer::start(write_conn, settings.writer)
             .map_err(|e| StorageError::Internal(format!("cannot start the writer thread: {e}")))?;
+        let readers =
+            Readers::new(opts.get_filename(), settings.read_connections.max(1) as usize, settings.busy_timeout);
         Ok(Self {
-            read,
-            lookups: lookup::Lookups::new(opts.get_filename(), settings.read_connections.max(1) as usize),
+            readers: Arc::new(readers),
             writer: Mutex::new(Some(writer)),
             writer_thread: Mutex::new(Some(thread)),
             checkpointer: Mutex::new(Some(checkpointer)),
@@ -146,6 +141,10 @@ impl SqliteStorage {
         MIGRATOR.run(&pool).await.map_err(|e| StorageError::Internal(format!("migration failed: {e}")))?;
         pool.close().await;
         Ok(())
+    }
+
+    fn readers(&self) -> &Arc<Readers> {
+        &self.readers
     }
 
     fn writer(&self) -> Result<Writer, StorageError> {
@@ -174,92 +173,10 @@ fn open_writer(path: &Path, settings: &SqliteSettings) -> Result<rusqlite::Conne
     Ok(conn)
 }
 
-/// A dry run's view of a resource: `(status, kind, available)`, a bucketed one's available
-/// being its buckets' sum.
-const PREVIEW_VIEW: &str = "SELECT status, kind, mode,
-        CASE WHEN buckets = 1 THEN available ELSE
-          (SELECT COALESCE(SUM(b.available), 0) FROM resource_buckets b
-           WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key) END AS available,
-        buckets
-    FROM resources r WHERE tenant_id = $1 AND key = $2";
-
-impl SqliteStorage {
-    /// Folds each bucketed resource's totals in from its buckets, read in one snapshot.
-    async fn fold_buckets(
-        &self,
-        states: &mut [(String, ResourceState)],
-        keep_counts: bool,
-    ) -> Result<(), StorageError> {
-        let mut tx = self.read.begin().await?;
-        let mut grouped = std::collections::HashMap::new();
-        for (tenant, state) in states.iter().filter(|(_, s)| s.buckets > 1) {
-            let rows = sqlx::query(&format!(
-                "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE tenant_id = $1 AND resource_key = $2 ORDER BY bucket"
-            ))
-            .bind(tenant.as_str())
-            .bind(state.key.as_str())
-            .fetch_all(&mut *tx)
-            .await?;
-            grouped.extend(bucket_rows(&rows)?);
-        }
-        tx.commit().await?;
-        fold_all(states, grouped, keep_counts);
-        Ok(())
-    }
-}
-
-fn resource_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ResourceState, StorageError> {
-    let corrupt = || StorageError::Internal("unexpected stored value in resources".into());
-    Ok(ResourceState {
-        key: row.try_get("key")?,
-        kind: Kind::from_db(row.try_get("kind")?).ok_or_else(corrupt)?,
-        status: ResourceStatus::from_db(row.try_get("status")?).ok_or_else(corrupt)?,
-        available: row.try_get("available")?,
-        reserved: row.try_get("reserved")?,
-        consumed: row.try_get("consumed")?,
-        total: row.try_get("total")?,
-        buckets: row.try_get("buckets")?,
-        mode: Mode::from_db(row.try_get("mode")?).ok_or_else(corrupt)?,
-        version: row.try_get("version")?,
-        updated_at: Timestamp(row.try_get("updated_at")?),
-        bucket_counts: None,
-    })
-}
-
-fn reservation_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<Reservation, StorageError> {
-    let corrupt = || StorageError::Internal("unexpected stored value in reservations".into());
-    let lines: String = row.try_get("lines")?;
-    Ok(Reservation {
-        id: row.try_get("id")?,
-        order_id: row.try_get("order_id")?,
-        state: ReservationState::from_db(row.try_get("state")?).ok_or_else(corrupt)?,
-        lines: serde_json::from_str(&lines).map_err(|_| corrupt())?,
-        expires_at: Timestamp(row.try_get("expires_at")?),
-    })
-}
-
-fn ledger_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<LedgerEntry, StorageError> {
-    let op: String = row.try_get("op")?;
-    Ok(LedgerEntry {
-        seq: row.try_get("seq")?,
-        bucket: row.try_get("bucket")?,
-        op: LedgerOp::from_db(&op).ok_or_else(|| StorageError::Internal("unexpected ledger op".into()))?,
-        qty: row.try_get("qty")?,
-        request_id: row.try_get("request_id")?,
-        order_id: row.try_get("order_id")?,
-        reservation_id: row.try_get("reservation_id")?,
-        available_after: row.try_get("available_after")?,
-        reserved_after: row.try_get("reserved_after")?,
-        consumed_after: row.try_get("consumed_after")?,
-        plugin_version: row.try_get("plugin_version")?,
-        at: Timestamp(row.try_get("at")?),
-    })
-}
-
 #[async_trait]
 impl Storage for SqliteStorage {
     async fn ready(&self) -> Result<(), StorageError> {
-        sqlx::query("SELECT 1 FROM resources LIMIT 1").fetch_optional(&self.read).await?;
+        self.readers.snapshot(|conn| Ok(conn.prepare_cached("SELECT 1 FROM resources LIMIT 1")?.exists([])?)).await?;
         if self.writer()?.is_running() {
             Ok(())
         } else {
@@ -280,10 +197,12 @@ impl Storage for SqliteStorage {
     }
 
     async fn list_tenants(&self) -> Result<Vec<TenantRecord>, StorageError> {
-        let rows = sqlx::query(&format!("SELECT {TENANT_COLUMNS} FROM tenants ORDER BY id LIMIT 10000"))
-            .fetch_all(&self.read)
-            .await?;
-        rows.iter().map(rules::tenant_row).collect()
+        self.readers
+            .snapshot(|conn| {
+                let sql = format!("SELECT {TENANT_COLUMNS} FROM tenants ORDER BY id LIMIT 10000");
+                all(&mut conn.prepare_cached(&sql)?, [], rows::tenant)
+            })
+            .await
     }
 
     async fn add_api_key(&self, tenant: &TenantId, key: &NewApiKey, now_ms: i64) -> Result<Option<()>, StorageError> {
@@ -297,14 +216,16 @@ impl Storage for SqliteStorage {
     }
 
     async fn find_api_key(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StorageError> {
-        let row = sqlx::query(&format!(
-            "SELECT {API_KEY_COLUMNS} FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
-             WHERE k.hash = $1 AND k.revoked_at IS NULL"
-        ))
-        .bind(hash)
-        .fetch_optional(&self.read)
-        .await?;
-        row.as_ref().map(rules::api_key_row).transpose()
+        let hash = hash.to_string();
+        self.readers
+            .snapshot(move |conn| {
+                let sql = format!(
+                    "SELECT {API_KEY_COLUMNS} FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+                     WHERE k.hash = ?1 AND k.revoked_at IS NULL"
+                );
+                conn.prepare_cached(&sql)?.query_row(params![hash], mapped(rows::api_key)).optional()?.transpose()
+            })
+            .await
     }
 
     async fn ensure_config_tenant(
@@ -339,16 +260,10 @@ impl Storage for SqliteStorage {
     }
 
     async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError> {
-        let row = sqlx::query(&format!("SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = $1 AND key = $2"))
-            .bind(tenant.as_str())
-            .bind(key.as_str())
-            .fetch_optional(&self.read)
-            .await?;
-        let Some(state) = row.as_ref().map(resource_from_row).transpose()? else { return Ok(None) };
-        let mut states = [(tenant.to_string(), state)];
-        self.fold_buckets(&mut states, true).await?;
-        let [(_, state)] = states;
-        Ok(Some(state))
+        let (tenant, key) = (tenant.clone(), key.clone());
+        self.readers
+            .snapshot(move |conn| run_now(reads::resource(&mut SqlitePort::new(conn), &tenant, key.as_str())))
+            .await
     }
 
     async fn list_resources(
@@ -358,29 +273,13 @@ impl Storage for SqliteStorage {
         after: Option<&str>,
         limit: u32,
     ) -> Result<Vec<ResourceState>, StorageError> {
-        // Keys are [A-Za-z0-9._:@-], so a prefix range needs no LIKE escaping: every key with
-        // the prefix sorts in [prefix, prefix || char(0x7f)).
-        let prefix = prefix.unwrap_or("");
-        let rows = sqlx::query(&format!(
-            "SELECT {RESOURCE_COLUMNS} FROM resources
-             WHERE tenant_id = $1 AND key >= $2 AND key < $3 AND key > $4
-             ORDER BY key LIMIT $5"
-        ))
-        .bind(tenant.as_str())
-        .bind(prefix)
-        .bind(format!("{prefix}\u{7f}"))
-        .bind(after.unwrap_or(""))
-        .bind(i64::from(limit))
-        .fetch_all(&self.read)
-        .await?;
-        let mut states = rows
-            .iter()
-            .map(|row| Ok((tenant.to_string(), resource_from_row(row)?)))
-            .collect::<Result<Vec<_>, StorageError>>()?;
-        if states.iter().any(|(_, s)| s.buckets > 1) {
-            self.fold_buckets(&mut states, false).await?;
-        }
-        Ok(states.into_iter().map(|(_, s)| s).collect())
+        let (tenant, prefix, after) = (tenant.clone(), prefix.map(str::to_string), after.map(str::to_string));
+        self.readers
+            .snapshot(move |conn| {
+                let mut port = SqlitePort::new(conn);
+                run_now(reads::resources(&mut port, &tenant, prefix.as_deref(), after.as_deref(), limit))
+            })
+            .await
     }
 
     async fn set_resource_status(
@@ -421,27 +320,12 @@ impl Storage for SqliteStorage {
         after: i64,
         limit: u32,
     ) -> Result<Option<Vec<LedgerEntry>>, StorageError> {
-        let mut tx = self.read.begin().await?;
-        let exists = sqlx::query("SELECT 1 FROM resources WHERE tenant_id = $1 AND key = $2")
-            .bind(tenant.as_str())
-            .bind(key.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-        if exists.is_none() {
-            return Ok(None);
-        }
-        let rows = sqlx::query(
-            "SELECT seq, bucket, op, qty, request_id, order_id, reservation_id, available_after, reserved_after,
-                    consumed_after, plugin_version, at
-             FROM ledger WHERE tenant_id = $1 AND resource_key = $2 AND seq > $3 ORDER BY seq LIMIT $4",
-        )
-        .bind(tenant.as_str())
-        .bind(key.as_str())
-        .bind(after)
-        .bind(i64::from(limit))
-        .fetch_all(&mut *tx)
-        .await?;
-        rows.iter().map(ledger_from_row).collect::<Result<Vec<_>, _>>().map(Some)
+        let (tenant, key) = (tenant.clone(), key.clone());
+        self.readers
+            .snapshot(move |conn| {
+                run_now(reads::ledger(&mut SqlitePort::new(conn), &tenant, key.as_str(), after, limit))
+            })
+            .await
     }
 
     async fn stored_outcome(
@@ -449,18 +333,26 @@ impl Storage for SqliteStorage {
         tenant: &TenantId,
         idem: &IdempotencyRequest,
     ) -> Result<Option<Idempotent>, StorageError> {
-        let record = match self.lookups.stored(tenant.as_str(), idem.key.as_str()) {
+        type Record = (String, i64, String, String);
+        let sql = STORED_OUTCOME_SQL.replace('$', "?");
+        let read =
+            move |conn: &rusqlite::Connection, tenant: &str, key: &str| -> Result<Option<Record>, StorageError> {
+                let mut statement = conn.prepare_cached(&sql)?;
+                let record = statement
+                    .query_row(params![tenant, key], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?)))
+                    .optional()?;
+                Ok(record)
+            };
+        // In-process (microseconds); on a blocking thread only if the database was locked.
+        let record = match self.readers.point(|conn| read(conn, tenant.as_str(), idem.key.as_str())) {
             Ok(record) => record,
-            Err(err) => {
-                tracing::debug!(error = %err, "in-process idempotency lookup failed; asking the read pool");
-                sqlx::query_as(STORED_OUTCOME_SQL)
-                    .bind(tenant.as_str())
-                    .bind(idem.key.as_str())
-                    .fetch_optional(&self.read)
-                    .await?
+            Err(StorageError::Unavailable(_)) => {
+                let (tenant, key) = (tenant.to_string(), idem.key.to_string());
+                self.readers.snapshot(move |conn| read(conn, &tenant, &key)).await?
             }
+            Err(err) => return Err(err),
         };
-        Ok(record.map(|(hash, code, kind, body): lookup::Record| outcome_of(idem, &hash, code, &kind, body)))
+        Ok(record.map(|(hash, code, kind, body)| outcome_of(idem, &hash, code, &kind, body)))
     }
 
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
@@ -473,43 +365,20 @@ impl Storage for SqliteStorage {
         order: &OrderRequest,
         plan: &Plan,
     ) -> Result<OrderDocument, StorageError> {
-        let mut tx = self.read.begin().await?;
-        let mut results = Vec::with_capacity(plan.lines.len());
-        for line in &plan.lines {
-            let used: Option<i64> = match &line.limit {
-                Some(limit) => {
-                    sqlx::query_scalar("SELECT used FROM user_limits WHERE tenant_id = $1 AND key = $2")
-                        .bind(tenant.as_str())
-                        .bind(limit.key.as_str())
-                        .fetch_optional(&mut *tx)
-                        .await?
-                }
-                None => None,
-            };
-            let mut views = Vec::with_capacity(line.targets.len());
-            for target in &line.targets {
-                let row: Option<(String, String, String, i64, i64)> = sqlx::query_as(PREVIEW_VIEW)
-                    .bind(tenant.as_str())
-                    .bind(target.resource.as_str())
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                let view = row.map(|(s, k, m, available, buckets)| rules::view_of(&s, &k, &m, available, buckets));
-                views.push(previewed(target, view.transpose()?)?);
-            }
-            results.push(preview_line(line, used.unwrap_or(0), views));
-        }
-        Ok(OrderDocument::build(order, plan, &results, None))
+        let (tenant, order, plan) = (tenant.clone(), order.clone(), plan.clone());
+        self.readers
+            .snapshot(move |conn| run_now(reads::preview(&mut SqlitePort::new(conn), &tenant, &order, &plan)))
+            .await
     }
 
     async fn get_reservation(&self, tenant: &TenantId, id: &str) -> Result<Option<Reservation>, StorageError> {
-        let row = sqlx::query(
-            "SELECT id, order_id, state, lines, expires_at FROM reservations WHERE tenant_id = $1 AND id = $2",
-        )
-        .bind(tenant.as_str())
-        .bind(id)
-        .fetch_optional(&self.read)
-        .await?;
-        row.as_ref().map(reservation_from_row).transpose()
+        let (tenant, id) = (tenant.clone(), id.to_string());
+        self.readers
+            .snapshot(move |conn| {
+                use crate::apply::port::Port;
+                run_now(SqlitePort::new(conn).reservation(tenant.as_str(), &id))
+            })
+            .await
     }
 
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
@@ -538,47 +407,11 @@ impl Storage for SqliteStorage {
 
     async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {
         // One read transaction: resources and ledger come from the same snapshot, so a commit
-        // landing between the two reads can never look like drift.
-        let mut tx = self.read.begin().await?;
-        let tenant = tenant.map(TenantId::as_str);
-        let resources = sqlx::query(&format!(
-            "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources WHERE ($1 IS NULL OR tenant_id = $1) ORDER BY tenant_id, key"
-        ))
-        .bind(tenant)
-        .fetch_all(&mut *tx)
-        .await?;
-        let sums = sqlx::query(
-            "SELECT tenant_id, resource_key, bucket, op, SUM(qty) AS qty, COUNT(*) AS n FROM ledger
-             WHERE ($1 IS NULL OR tenant_id = $1) GROUP BY tenant_id, resource_key, bucket, op",
-        )
-        .bind(tenant)
-        .fetch_all(&mut *tx)
-        .await?;
-        let latest = sqlx::query(
-            "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
-             FROM ledger l
-             JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE ($1 IS NULL OR tenant_id = $1)
-                   GROUP BY tenant_id, resource_key, bucket) m
-               ON l.seq = m.seq",
-        )
-        .bind(tenant)
-        .fetch_all(&mut *tx)
-        .await?;
-        let buckets_read = sqlx::query(&format!(
-            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE ($1 IS NULL OR tenant_id = $1)
-             ORDER BY tenant_id, resource_key, bucket"
-        ))
-        .bind(tenant)
-        .fetch_all(&mut *tx)
-        .await?;
-        tx.commit().await?;
-
-        let mut resources = resources
-            .iter()
-            .map(|row| Ok((row.try_get("tenant_id")?, resource_from_row(row)?)))
-            .collect::<Result<Vec<_>, StorageError>>()?;
-        fold_all(&mut resources, bucket_rows(&buckets_read)?, true);
-        reconcile_rows(resources, &sums, &latest)
+        // landing between the reads can never look like drift.
+        let tenant = tenant.cloned();
+        self.readers
+            .snapshot(move |conn| run_now(reads::reconciliation(&mut SqlitePort::new(conn), tenant.as_ref())))
+            .await
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
@@ -596,24 +429,17 @@ impl Storage for SqliteStorage {
     }
 
     async fn list_plugins(&self, tenant: &TenantId) -> Result<Vec<PluginVersion>, StorageError> {
-        let rows: Vec<(i64, String, String, i64, bool)> = sqlx::query_as(
-            "SELECT p.version, p.sha256, p.config, p.uploaded_at, COALESCE(a.version = p.version, FALSE)
-             FROM plugins p LEFT JOIN plugin_active a ON a.tenant_id = p.tenant_id
-             WHERE p.tenant_id = $1 ORDER BY p.version LIMIT 10000",
-        )
-        .bind(tenant.as_str())
-        .fetch_all(&self.read)
-        .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(version, sha256, config, uploaded_at_ms, active)| PluginVersion {
-                version,
-                sha256,
-                config,
-                uploaded_at_ms,
-                active,
+        let tenant = tenant.clone();
+        self.readers
+            .snapshot(move |conn| {
+                let mut statement = conn.prepare_cached(
+                    "SELECT p.version, p.sha256, p.config, p.uploaded_at, COALESCE(a.version = p.version, FALSE) AS active
+                     FROM plugins p LEFT JOIN plugin_active a ON a.tenant_id = p.tenant_id
+                     WHERE p.tenant_id = ?1 ORDER BY p.version LIMIT 10000",
+                )?;
+                all(&mut statement, params![tenant.as_str()], rows::plugin_version)
             })
-            .collect())
+            .await
     }
 
     async fn activate_plugin(&self, tenant: &TenantId, version: i64) -> Result<Option<PluginVersion>, StorageError> {
@@ -622,28 +448,30 @@ impl Storage for SqliteStorage {
     }
 
     async fn active_plugin(&self, tenant: &TenantId) -> Result<Option<PluginVersion>, StorageError> {
-        let row: Option<(i64, String, String, i64)> = sqlx::query_as(
-            "SELECT p.version, p.sha256, p.config, p.uploaded_at FROM plugin_active a
-             JOIN plugins p ON p.tenant_id = a.tenant_id AND p.version = a.version WHERE a.tenant_id = $1",
-        )
-        .bind(tenant.as_str())
-        .fetch_optional(&self.read)
-        .await?;
-        Ok(row.map(|(version, sha256, config, uploaded_at_ms)| PluginVersion {
-            version,
-            sha256,
-            config,
-            uploaded_at_ms,
-            active: true,
-        }))
+        let tenant = tenant.clone();
+        self.readers
+            .snapshot(move |conn| {
+                conn.prepare_cached(
+                    "SELECT p.version, p.sha256, p.config, p.uploaded_at, 1 AS active FROM plugin_active a
+                     JOIN plugins p ON p.tenant_id = a.tenant_id AND p.version = a.version WHERE a.tenant_id = ?1",
+                )?
+                .query_row(params![tenant.as_str()], mapped(rows::plugin_version))
+                .optional()?
+                .transpose()
+            })
+            .await
     }
 
     async fn plugin_wasm(&self, tenant: &TenantId, version: i64) -> Result<Option<Vec<u8>>, StorageError> {
-        Ok(sqlx::query_scalar("SELECT wasm FROM plugins WHERE tenant_id = $1 AND version = $2")
-            .bind(tenant.as_str())
-            .bind(version)
-            .fetch_optional(&self.read)
-            .await?)
+        let tenant = tenant.clone();
+        self.readers
+            .snapshot(move |conn| {
+                Ok(conn
+                    .prepare_cached("SELECT wasm FROM plugins WHERE tenant_id = ?1 AND version = ?2")?
+                    .query_row(params![tenant.as_str(), version], |row| row.get(0))
+                    .optional()?)
+            })
+            .await
     }
 
     async fn close(&self) {
@@ -661,6 +489,5 @@ impl Storage for SqliteStorage {
             drop(stop);
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
-        self.read.close().await;
     }
 }

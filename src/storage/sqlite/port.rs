@@ -12,68 +12,34 @@ use rusqlite::{params, Connection, OptionalExtension, Row as SqlRow};
 use crate::apply::port::{
     BatchWrites, Change, Claim, Counts, Entry, Gate, LockedRows, Move, NewReservation, Port, Row, Savepoint, View,
 };
+use crate::apply::reads::{LedgerRows, Reads};
 use crate::engine::admission::Row as AdmissionRow;
 use crate::engine::{
-    BucketCounts, Kind, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus, TenantId,
-    MAX_TOTAL,
+    BucketCounts, Kind, LedgerEntry, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus,
+    TenantId, MAX_TOTAL,
 };
 use crate::storage::redis_store::SettleRecord;
-use crate::storage::rules::RESOURCE_COLUMNS;
+use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{ContentType, IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
-use crate::time::Timestamp;
 
 pub(super) fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
 }
 
-/// A resource selected as [`RESOURCE_COLUMNS`].
-pub(super) fn resource_from_row(row: &SqlRow<'_>) -> rusqlite::Result<Result<ResourceState, StorageError>> {
-    let kind: String = row.get("kind")?;
-    let status: String = row.get("status")?;
-    let mode: String = row.get("mode")?;
-    let (Some(kind), Some(status), Some(mode)) =
-        (Kind::from_db(&kind), ResourceStatus::from_db(&status), Mode::from_db(&mode))
-    else {
-        return Ok(Err(corrupt("resources")));
-    };
-    Ok(Ok(ResourceState {
-        key: row.get("key")?,
-        kind,
-        status,
-        available: row.get("available")?,
-        reserved: row.get("reserved")?,
-        consumed: row.get("consumed")?,
-        total: row.get("total")?,
-        buckets: row.get("buckets")?,
-        mode,
-        version: row.get("version")?,
-        updated_at: Timestamp(row.get("updated_at")?),
-        bucket_counts: None,
-    }))
+/// Maps one rusqlite row with a shared mapper of [`rows`].
+pub(super) fn mapped<T>(
+    map: impl Fn(&dyn Columns) -> Result<T, StorageError>,
+) -> impl Fn(&SqlRow<'_>) -> rusqlite::Result<Result<T, StorageError>> {
+    move |row: &SqlRow<'_>| Ok(map(row))
 }
 
-fn reservation_from_row(row: &SqlRow<'_>) -> rusqlite::Result<Result<Reservation, StorageError>> {
-    let state: String = row.get("state")?;
-    let lines: String = row.get("lines")?;
-    let (Some(state), Ok(lines)) = (ReservationState::from_db(&state), serde_json::from_str(&lines)) else {
-        return Ok(Err(corrupt("reservations")));
-    };
-    Ok(Ok(Reservation {
-        id: row.get("id")?,
-        order_id: row.get("order_id")?,
-        state,
-        lines,
-        expires_at: Timestamp(row.get("expires_at")?),
-    }))
-}
-
-fn counts(row: &SqlRow<'_>) -> rusqlite::Result<Counts> {
-    Ok(Counts {
-        available: row.get("available")?,
-        reserved: row.get("reserved")?,
-        consumed: row.get("consumed")?,
-        version: row.get("version")?,
-    })
+/// Every row of a query, mapped.
+pub(super) fn all<T>(
+    statement: &mut rusqlite::CachedStatement<'_>,
+    params: impl rusqlite::Params,
+    map: impl Fn(&dyn Columns) -> Result<T, StorageError>,
+) -> Result<Vec<T>, StorageError> {
+    statement.query_map(params, mapped(map))?.map(|row| row?).collect()
 }
 
 /// The guarded UPDATEs: `?1` quantity, `?2` time, `?3` tenant, `?4` resource, and `?5` the kind
@@ -325,6 +291,7 @@ impl Port for SqlitePort<'_> {
     async fn change(&mut self, change: &Change<'_>) -> Result<Option<Counts>, StorageError> {
         let e = &change.entry;
         let mut statement = self.conn.prepare_cached(change_sql(change.row, change.how, change.gate))?;
+        let counts = mapped(rows::counts);
         let after = match (change.row, change.how, change.gate) {
             (Row::Bucket(bucket), ..) => {
                 statement.query_row(params![e.qty, e.at, e.tenant, e.resource, bucket], counts).optional()?
@@ -338,7 +305,8 @@ impl Port for SqlitePort<'_> {
             (Row::Resource, ..) => {
                 statement.query_row(params![e.qty, e.at, e.tenant, e.resource], counts).optional()?
             }
-        };
+        }
+        .transpose()?;
         if let Some(after) = after {
             self.ledger(e, after)?;
         }
@@ -382,7 +350,7 @@ impl Port for SqlitePort<'_> {
     async fn resource(&mut self, tenant: &str, key: &str) -> Result<Option<ResourceState>, StorageError> {
         self.conn
             .prepare_cached(&format!("SELECT {RESOURCE_COLUMNS} FROM resources WHERE tenant_id = ?1 AND key = ?2"))?
-            .query_row(params![tenant, key], resource_from_row)
+            .query_row(params![tenant, key], mapped(rows::resource))
             .optional()?
             .transpose()
     }
@@ -399,7 +367,7 @@ impl Port for SqlitePort<'_> {
                 "UPDATE resources SET status = ?1, updated_at = ?2 WHERE tenant_id = ?3 AND key = ?4
                  RETURNING {RESOURCE_COLUMNS}"
             ))?
-            .query_row(params![status.as_str(), now_ms, tenant, key], resource_from_row)
+            .query_row(params![status.as_str(), now_ms, tenant, key], mapped(rows::resource))
             .optional()?
             .transpose()
     }
@@ -423,11 +391,10 @@ impl Port for SqlitePort<'_> {
             ))?
             .query_row(
                 params![tenant, res.key.as_str(), res.kind.as_str(), row_total, now_ms, res.buckets.max(1)],
-                |row| Ok((resource_from_row(row)?, counts(row)?)),
+                mapped(|row| Ok((rows::resource(row)?, rows::counts(row)?))),
             )
             .optional()?;
-        let Some((state, counts)) = row else { return Ok(None) };
-        Ok(Some((state?, counts)))
+        row.transpose()
     }
 
     async fn insert_buckets(&mut self, shares: &[i64], entry: &Entry<'_>) -> Result<(), StorageError> {
@@ -441,30 +408,17 @@ impl Port for SqlitePort<'_> {
                      VALUES (?1, ?2, ?3, ?4, ?4, 0, 0, 1, ?5)
                      RETURNING available, reserved, consumed, version",
                 )?
-                .query_row(params![entry.tenant, entry.resource, bucket, share, entry.at], counts)?;
+                .query_row(params![entry.tenant, entry.resource, bucket, share, entry.at], mapped(rows::counts))??;
             self.ledger(&Entry { bucket, qty: share, ..*entry }, after)?;
         }
         Ok(())
     }
 
     async fn buckets(&mut self, tenant: &str, key: &str) -> Result<Vec<BucketCounts>, StorageError> {
-        Ok(self
-            .conn
-            .prepare_cached(
-                "SELECT bucket, available, reserved, consumed, version, updated_at FROM resource_buckets
-                 WHERE tenant_id = ?1 AND resource_key = ?2 ORDER BY bucket",
-            )?
-            .query_map(params![tenant, key], |row| {
-                Ok(BucketCounts {
-                    bucket: row.get(0)?,
-                    available: row.get(1)?,
-                    reserved: row.get(2)?,
-                    consumed: row.get(3)?,
-                    version: row.get(4)?,
-                    updated_at_ms: row.get(5)?,
-                })
-            })?
-            .collect::<rusqlite::Result<_>>()?)
+        let mut statement = self.conn.prepare_cached(&format!(
+            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE tenant_id = ?1 AND resource_key = ?2 ORDER BY bucket"
+        ))?;
+        Ok(all(&mut statement, params![tenant, key], rows::bucket)?.into_iter().map(|(_, b)| b).collect())
     }
 
     async fn uneven_resources(&mut self, limit: u32) -> Result<Vec<(String, String)>, StorageError> {
@@ -517,7 +471,7 @@ impl Port for SqlitePort<'_> {
             .prepare_cached(
                 "SELECT id, order_id, state, lines, expires_at FROM reservations WHERE tenant_id = ?1 AND id = ?2",
             )?
-            .query_row(params![tenant, id], reservation_from_row)
+            .query_row(params![tenant, id], mapped(rows::reservation))
             .optional()?
             .transpose()
     }
@@ -546,7 +500,7 @@ impl Port for SqlitePort<'_> {
                 "SELECT tenant_id, id, order_id, state, lines, expires_at FROM reservations
                  WHERE state = 'held' AND expires_at <= ?1 ORDER BY expires_at LIMIT ?2",
             )?
-            .query_map(params![now_ms, i64::from(limit)], |row| Ok((row.get(0)?, reservation_from_row(row)?)))?
+            .query_map(params![now_ms, i64::from(limit)], |row| Ok((row.get(0)?, rows::reservation(row))))?
             .collect::<rusqlite::Result<_>>()?;
         due.into_iter().map(|(tenant, r)| Ok((tenant, r?))).collect()
     }
@@ -682,5 +636,89 @@ impl Port for SqlitePort<'_> {
             ])?;
         }
         Ok(())
+    }
+}
+
+impl Reads for SqlitePort<'_> {
+    async fn resources_page(
+        &mut self,
+        tenant: &str,
+        prefix: &str,
+        after: &str,
+        limit: u32,
+    ) -> Result<Vec<ResourceState>, StorageError> {
+        // Keys are [A-Za-z0-9._:@-], so a prefix range needs no LIKE escaping: every key with
+        // the prefix sorts in [prefix, prefix || char(0x7f)); SQLite compares bytewise.
+        let mut statement = self.conn.prepare_cached(&format!(
+            "SELECT {RESOURCE_COLUMNS} FROM resources
+             WHERE tenant_id = ?1 AND key >= ?2 AND key < ?3 AND key > ?4 ORDER BY key LIMIT ?5"
+        ))?;
+        let end = format!("{prefix}\u{7f}");
+        all(&mut statement, params![tenant, prefix, end, after, i64::from(limit)], rows::resource)
+    }
+
+    async fn buckets_of(
+        &mut self,
+        tenant: &str,
+        keys: &[String],
+    ) -> Result<HashMap<(String, String), Vec<BucketCounts>>, StorageError> {
+        let mut statement = self.conn.prepare_cached(&format!(
+            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE tenant_id = ?1 AND resource_key = ?2 ORDER BY bucket"
+        ))?;
+        let mut found = Vec::new();
+        for key in keys {
+            found.extend(all(&mut statement, params![tenant, key], rows::bucket)?);
+        }
+        Ok(rows::group_buckets(found))
+    }
+
+    async fn ledger_entries(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<LedgerEntry>, StorageError> {
+        let mut statement = self.conn.prepare_cached(&format!(
+            "SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant_id = ?1 AND resource_key = ?2 AND seq > ?3
+             ORDER BY seq LIMIT ?4"
+        ))?;
+        all(&mut statement, params![tenant, key, after, i64::from(limit)], rows::ledger_entry)
+    }
+
+    async fn limit_used(&mut self, tenant: &str, key: &str) -> Result<i64, StorageError> {
+        let used: Option<i64> = self
+            .conn
+            .prepare_cached("SELECT used FROM user_limits WHERE tenant_id = ?1 AND key = ?2")?
+            .query_row(params![tenant, key], |row| row.get(0))
+            .optional()?;
+        Ok(used.unwrap_or(0))
+    }
+
+    async fn ledger_rows(&mut self, tenant: Option<&str>) -> Result<LedgerRows, StorageError> {
+        let mut resources = self.conn.prepare_cached(&format!(
+            "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources WHERE (?1 IS NULL OR tenant_id = ?1)
+             ORDER BY tenant_id, key"
+        ))?;
+        let resources = all(&mut resources, params![tenant], |row| Ok((row.text("tenant_id")?, rows::resource(row)?)))?;
+        let mut sums = self.conn.prepare_cached(
+            "SELECT tenant_id, resource_key, bucket, op, SUM(qty) AS qty, COUNT(*) AS n FROM ledger
+             WHERE (?1 IS NULL OR tenant_id = ?1) GROUP BY tenant_id, resource_key, bucket, op",
+        )?;
+        let sums = all(&mut sums, params![tenant], rows::ledger_sum)?;
+        let mut newest = self.conn.prepare_cached(
+            "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
+             FROM ledger l
+             JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE (?1 IS NULL OR tenant_id = ?1)
+                   GROUP BY tenant_id, resource_key, bucket) m
+               ON l.seq = m.seq",
+        )?;
+        let newest = all(&mut newest, params![tenant], rows::newest_entry)?;
+        let mut buckets = self.conn.prepare_cached(&format!(
+            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE (?1 IS NULL OR tenant_id = ?1)
+             ORDER BY tenant_id, resource_key, bucket"
+        ))?;
+        let buckets = rows::group_buckets(all(&mut buckets, params![tenant], rows::bucket)?);
+        Ok(LedgerRows { resources, sums, newest, buckets })
     }
 }

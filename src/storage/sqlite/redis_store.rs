@@ -1,18 +1,17 @@
 //! SQLite side of redis mode ([`crate::storage::redis_store`]): settlement runs on the writer
 //! thread in its own savepoint of a group commit, like every other write.
 
-use async_trait::async_trait;
-use rusqlite::params;
-use sqlx::Row;
-
-use super::port::SqlitePort;
+use super::port::{all, SqlitePort};
 use super::SqliteStorage;
 use crate::apply::port::run_now;
 use crate::engine::{Mode, ResourceKey, ResourceState, TenantId};
 use crate::storage::redis_store::{
-    failure_of, parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, REDIS_RESOURCES_SQL,
+    parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, REDIS_RESOURCES_SQL,
 };
+use crate::storage::rows;
 use crate::storage::StorageError;
+use async_trait::async_trait;
+use rusqlite::params;
 
 #[async_trait]
 impl RedisStore for SqliteStorage {
@@ -48,13 +47,29 @@ impl RedisStore for SqliteStorage {
     }
 
     async fn redis_resources(&self, limit: u32) -> Result<Vec<(TenantId, ResourceKey)>, StorageError> {
-        let rows = sqlx::query(REDIS_RESOURCES_SQL).bind(i64::from(limit)).fetch_all(&self.read).await?;
-        rows.iter().map(|row| parse_pair(row.try_get("tenant_id")?, row.try_get("key")?)).collect()
+        let pairs = self
+            .readers()
+            .snapshot(move |conn| {
+                let sql = REDIS_RESOURCES_SQL.replace('$', "?");
+                all(&mut conn.prepare_cached(&sql)?, params![i64::from(limit)], |row| {
+                    Ok((row.text("tenant_id")?, row.text("key")?))
+                })
+            })
+            .await?;
+        pairs.into_iter().map(|(tenant, key)| parse_pair(tenant, key)).collect()
     }
 
     async fn settlement_failures(&self, tenant: &TenantId, limit: u32) -> Result<Vec<SettlementFailure>, StorageError> {
-        let rows: Vec<(String, String, String, String, i64, String, i64, i64)> =
-            sqlx::query_as(FAILURES_SQL).bind(tenant.as_str()).bind(i64::from(limit)).fetch_all(&self.read).await?;
-        Ok(rows.into_iter().map(failure_of).collect())
+        let tenant = tenant.clone();
+        self.readers()
+            .snapshot(move |conn| {
+                let sql = FAILURES_SQL.replace('$', "?");
+                all(
+                    &mut conn.prepare_cached(&sql)?,
+                    params![tenant.as_str(), i64::from(limit)],
+                    rows::settlement_failure,
+                )
+            })
+            .await
     }
 }

@@ -1,0 +1,137 @@
+//! The reads of the API, written once over [`Reads`] (the read half of the storage port): a
+//! resource with its buckets folded in, a page of resources or of a ledger, the dry run, and
+//! reconciliation. A backend runs each inside one read snapshot, so the queries of one read
+//! agree with each other.
+
+use std::collections::HashMap;
+
+use super::buckets::complete;
+use super::port::Port;
+use crate::engine::{
+    reconcile, BucketCounts, LedgerEntry, LedgerSum, NewestEntry, OrderDocument, OrderRequest, Plan, Reconciliation,
+    ResourceState, TenantId,
+};
+use crate::storage::rules::{fold_all, preview_line, previewed};
+use crate::storage::StorageError;
+
+/// The rows reconciliation judges, read in one snapshot.
+#[derive(Debug, Default)]
+pub struct LedgerRows {
+    /// Every resource row, with its tenant.
+    pub resources: Vec<(String, ResourceState)>,
+    /// Per resource, bucket and op: the quantity and number of ledger rows.
+    pub sums: Vec<LedgerSum>,
+    /// Per resource and bucket: the counters after its newest ledger row.
+    pub newest: Vec<NewestEntry>,
+    /// Every bucket row, by `(tenant, resource)`.
+    pub buckets: HashMap<(String, String), Vec<BucketCounts>>,
+}
+
+/// The read queries, beside [`Port`]'s.
+#[allow(async_fn_in_trait)]
+pub trait Reads: Port {
+    /// A page of the tenant's resources by key: those with `prefix`, after `after`, at most
+    /// `limit`, in bytewise key order (rows only; buckets not folded in).
+    async fn resources_page(
+        &mut self,
+        tenant: &str,
+        prefix: &str,
+        after: &str,
+        limit: u32,
+    ) -> Result<Vec<ResourceState>, StorageError>;
+    /// Every bucket row of these resources, by `(tenant, resource)`.
+    async fn buckets_of(
+        &mut self,
+        tenant: &str,
+        keys: &[String],
+    ) -> Result<HashMap<(String, String), Vec<BucketCounts>>, StorageError>;
+    /// A page of a resource's ledger, by `seq`.
+    async fn ledger_entries(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<LedgerEntry>, StorageError>;
+    /// What a per-user limit key has used so far (0 if never).
+    async fn limit_used(&mut self, tenant: &str, key: &str) -> Result<i64, StorageError>;
+    /// Everything reconciliation judges, for one tenant or all.
+    async fn ledger_rows(&mut self, tenant: Option<&str>) -> Result<LedgerRows, StorageError>;
+}
+
+/// A resource with a bucketed one's buckets folded in (and listed).
+pub async fn resource<R: Reads>(
+    reads: &mut R,
+    tenant: &TenantId,
+    key: &str,
+) -> Result<Option<ResourceState>, StorageError> {
+    match reads.resource(tenant.as_str(), key).await? {
+        Some(state) => complete(reads, tenant.as_str(), state).await.map(Some),
+        None => Ok(None),
+    }
+}
+
+/// A page of resources, bucketed ones' totals folded in (their buckets not listed).
+pub async fn resources<R: Reads>(
+    reads: &mut R,
+    tenant: &TenantId,
+    prefix: Option<&str>,
+    after: Option<&str>,
+    limit: u32,
+) -> Result<Vec<ResourceState>, StorageError> {
+    let page = reads.resources_page(tenant.as_str(), prefix.unwrap_or(""), after.unwrap_or(""), limit).await?;
+    let bucketed: Vec<String> = page.iter().filter(|s| s.buckets > 1).map(|s| s.key.clone()).collect();
+    let mut states: Vec<(String, ResourceState)> = page.into_iter().map(|s| (tenant.to_string(), s)).collect();
+    if !bucketed.is_empty() {
+        let grouped = reads.buckets_of(tenant.as_str(), &bucketed).await?;
+        fold_all(&mut states, grouped, false);
+    }
+    Ok(states.into_iter().map(|(_, s)| s).collect())
+}
+
+/// A page of a resource's ledger; `None` when the resource does not exist.
+pub async fn ledger<R: Reads>(
+    reads: &mut R,
+    tenant: &TenantId,
+    key: &str,
+    after: i64,
+    limit: u32,
+) -> Result<Option<Vec<LedgerEntry>>, StorageError> {
+    if reads.view(tenant.as_str(), key).await?.is_none() {
+        return Ok(None);
+    }
+    reads.ledger_entries(tenant.as_str(), key, after, limit).await.map(Some)
+}
+
+/// The outcome the order would have now; applies and records nothing.
+pub async fn preview<R: Reads>(
+    reads: &mut R,
+    tenant: &TenantId,
+    order: &OrderRequest,
+    plan: &Plan,
+) -> Result<OrderDocument, StorageError> {
+    let mut results = Vec::with_capacity(plan.lines.len());
+    for line in &plan.lines {
+        let used = match &line.limit {
+            Some(limit) => reads.limit_used(tenant.as_str(), limit.key.as_str()).await?,
+            None => 0,
+        };
+        let mut views = Vec::with_capacity(line.targets.len());
+        for target in &line.targets {
+            let view = reads.view(tenant.as_str(), target.resource.as_str()).await?;
+            views.push(previewed(target, view)?);
+        }
+        results.push(preview_line(line, used, views));
+    }
+    Ok(OrderDocument::build(order, plan, &results, None))
+}
+
+/// Proves state == opening balance + ledger for one tenant, or for all.
+pub async fn reconciliation<R: Reads>(
+    reads: &mut R,
+    tenant: Option<&TenantId>,
+) -> Result<Reconciliation, StorageError> {
+    let LedgerRows { mut resources, sums, newest, buckets } = reads.ledger_rows(tenant.map(TenantId::as_str)).await?;
+    fold_all(&mut resources, buckets, true);
+    Ok(reconcile(&resources, &sums, &newest))
+}

@@ -1,0 +1,244 @@
+//! Row mapping, written once for both backends: [`Columns`] reads a result row of either driver
+//! (sqlx's PostgreSQL rows, rusqlite's SQLite rows) by column name, and every mapper below is
+//! written against it. Anything unexpected in a stored value is `Internal`, never a panic.
+
+use std::collections::HashMap;
+
+use crate::apply::port::Counts;
+use crate::engine::{
+    BucketCounts, Kind, LedgerEntry, LedgerOp, LedgerSum, Mode, NewestEntry, Reservation, ReservationState,
+    ResourceState, ResourceStatus, TenantId,
+};
+use crate::ratelimit::RateLimit;
+use crate::storage::redis_store::SettlementFailure;
+use crate::storage::{ApiKeyRecord, PluginVersion, StorageError, TenantRecord};
+use crate::time::Timestamp;
+
+/// A result row, read by column name.
+pub trait Columns {
+    fn int(&self, col: &str) -> Result<i64, StorageError>;
+    fn opt_int(&self, col: &str) -> Result<Option<i64>, StorageError>;
+    fn text(&self, col: &str) -> Result<String, StorageError>;
+    fn opt_text(&self, col: &str) -> Result<Option<String>, StorageError>;
+    fn flag(&self, col: &str) -> Result<bool, StorageError>;
+}
+
+impl Columns for sqlx::postgres::PgRow {
+    fn int(&self, col: &str) -> Result<i64, StorageError> {
+        Ok(sqlx::Row::try_get(self, col)?)
+    }
+    fn opt_int(&self, col: &str) -> Result<Option<i64>, StorageError> {
+        Ok(sqlx::Row::try_get(self, col)?)
+    }
+    fn text(&self, col: &str) -> Result<String, StorageError> {
+        Ok(sqlx::Row::try_get(self, col)?)
+    }
+    fn opt_text(&self, col: &str) -> Result<Option<String>, StorageError> {
+        Ok(sqlx::Row::try_get(self, col)?)
+    }
+    fn flag(&self, col: &str) -> Result<bool, StorageError> {
+        Ok(sqlx::Row::try_get(self, col)?)
+    }
+}
+
+impl Columns for rusqlite::Row<'_> {
+    fn int(&self, col: &str) -> Result<i64, StorageError> {
+        Ok(self.get(col)?)
+    }
+    fn opt_int(&self, col: &str) -> Result<Option<i64>, StorageError> {
+        Ok(self.get(col)?)
+    }
+    fn text(&self, col: &str) -> Result<String, StorageError> {
+        Ok(self.get(col)?)
+    }
+    fn opt_text(&self, col: &str) -> Result<Option<String>, StorageError> {
+        Ok(self.get(col)?)
+    }
+    fn flag(&self, col: &str) -> Result<bool, StorageError> {
+        Ok(self.get::<_, i64>(col)? != 0)
+    }
+}
+
+fn corrupt(what: &str) -> StorageError {
+    StorageError::Internal(format!("unexpected stored value in {what}"))
+}
+
+/// The resource columns every backend selects, in any order.
+pub const RESOURCE_COLUMNS: &str =
+    "key, kind, status, available, reserved, consumed, total, buckets, mode, version, updated_at";
+
+/// A resource selected as [`RESOURCE_COLUMNS`] (a bucketed one's buckets not folded in).
+pub fn resource(row: &dyn Columns) -> Result<ResourceState, StorageError> {
+    let kind = Kind::from_db(&row.text("kind")?).ok_or_else(|| corrupt("resources.kind"))?;
+    let status = ResourceStatus::from_db(&row.text("status")?).ok_or_else(|| corrupt("resources.status"))?;
+    let mode = Mode::from_db(&row.text("mode")?).ok_or_else(|| corrupt("resources.mode"))?;
+    Ok(ResourceState {
+        key: row.text("key")?,
+        kind,
+        status,
+        available: row.int("available")?,
+        reserved: row.int("reserved")?,
+        consumed: row.int("consumed")?,
+        total: row.int("total")?,
+        buckets: row.int("buckets")?,
+        mode,
+        version: row.int("version")?,
+        updated_at: Timestamp(row.int("updated_at")?),
+        bucket_counts: None,
+    })
+}
+
+/// A row's `available, reserved, consumed, version`.
+pub fn counts(row: &dyn Columns) -> Result<Counts, StorageError> {
+    Ok(Counts {
+        available: row.int("available")?,
+        reserved: row.int("reserved")?,
+        consumed: row.int("consumed")?,
+        version: row.int("version")?,
+    })
+}
+
+/// A reservation with `id, order_id, state, lines, expires_at`.
+pub fn reservation(row: &dyn Columns) -> Result<Reservation, StorageError> {
+    let state = ReservationState::from_db(&row.text("state")?).ok_or_else(|| corrupt("reservations.state"))?;
+    let lines = serde_json::from_str(&row.text("lines")?).map_err(|_| corrupt("reservations.lines"))?;
+    Ok(Reservation {
+        id: row.text("id")?,
+        order_id: row.text("order_id")?,
+        state,
+        lines,
+        expires_at: Timestamp(row.int("expires_at")?),
+    })
+}
+
+/// The ledger columns of [`ledger_entry`].
+pub const LEDGER_COLUMNS: &str = "seq, bucket, op, qty, request_id, order_id, reservation_id, available_after,
+    reserved_after, consumed_after, plugin_version, at";
+
+pub fn ledger_entry(row: &dyn Columns) -> Result<LedgerEntry, StorageError> {
+    Ok(LedgerEntry {
+        seq: row.int("seq")?,
+        bucket: row.int("bucket")?,
+        op: LedgerOp::from_db(&row.text("op")?).ok_or_else(|| corrupt("ledger.op"))?,
+        qty: row.int("qty")?,
+        request_id: row.text("request_id")?,
+        order_id: row.opt_text("order_id")?,
+        reservation_id: row.opt_text("reservation_id")?,
+        available_after: row.int("available_after")?,
+        reserved_after: row.int("reserved_after")?,
+        consumed_after: row.int("consumed_after")?,
+        plugin_version: row.opt_int("plugin_version")?,
+        at: Timestamp(row.int("at")?),
+    })
+}
+
+/// The columns of `resource_buckets` that [`bucket`] maps.
+pub const BUCKET_COLUMNS: &str = "tenant_id, resource_key, bucket, available, reserved, consumed, version, updated_at";
+
+/// A bucket row with its `(tenant, resource)`.
+pub fn bucket(row: &dyn Columns) -> Result<((String, String), BucketCounts), StorageError> {
+    Ok((
+        (row.text("tenant_id")?, row.text("resource_key")?),
+        BucketCounts {
+            bucket: row.int("bucket")?,
+            available: row.int("available")?,
+            reserved: row.int("reserved")?,
+            consumed: row.int("consumed")?,
+            version: row.int("version")?,
+            updated_at_ms: row.int("updated_at")?,
+        },
+    ))
+}
+
+/// Bucket rows grouped by `(tenant, resource)`, each group in the order the rows came.
+pub fn group_buckets(
+    rows: impl IntoIterator<Item = ((String, String), BucketCounts)>,
+) -> HashMap<(String, String), Vec<BucketCounts>> {
+    let mut grouped: HashMap<(String, String), Vec<BucketCounts>> = HashMap::new();
+    for (id, counts) in rows {
+        grouped.entry(id).or_default().push(counts);
+    }
+    grouped
+}
+
+/// A per-op ledger sum (`tenant_id, resource_key, bucket, op, qty, n`).
+pub fn ledger_sum(row: &dyn Columns) -> Result<LedgerSum, StorageError> {
+    Ok(LedgerSum {
+        tenant: row.text("tenant_id")?,
+        key: row.text("resource_key")?,
+        bucket: row.int("bucket")?,
+        op: LedgerOp::from_db(&row.text("op")?).ok_or_else(|| corrupt("ledger.op"))?,
+        qty: row.int("qty")?,
+        count: row.int("n")?,
+    })
+}
+
+/// A resource's (bucket's) newest entry (`tenant_id, resource_key, bucket, *_after`).
+pub fn newest_entry(row: &dyn Columns) -> Result<NewestEntry, StorageError> {
+    Ok(NewestEntry {
+        tenant: row.text("tenant_id")?,
+        key: row.text("resource_key")?,
+        bucket: row.int("bucket")?,
+        after: [row.int("available_after")?, row.int("reserved_after")?, row.int("consumed_after")?],
+    })
+}
+
+fn rate_limit(row: &dyn Columns) -> Result<Option<RateLimit>, StorageError> {
+    let bad = |_| corrupt("tenants.rate_limit");
+    match (row.opt_int("rate_limit_rps")?, row.opt_int("rate_limit_burst")?) {
+        (Some(rps), Some(burst)) => Ok(Some(RateLimit {
+            requests_per_second: u32::try_from(rps).map_err(bad)?,
+            burst: u32::try_from(burst).map_err(bad)?,
+        })),
+        _ => Ok(None),
+    }
+}
+
+/// The tenant columns of [`tenant`].
+pub const TENANT_COLUMNS: &str = "id, name, created_at, rate_limit_rps, rate_limit_burst";
+
+pub fn tenant(row: &dyn Columns) -> Result<TenantRecord, StorageError> {
+    Ok(TenantRecord {
+        id: TenantId::parse(row.text("id")?).map_err(|_| corrupt("tenants.id"))?,
+        name: row.text("name")?,
+        created_at_ms: row.int("created_at")?,
+        rate_limit: rate_limit(row)?,
+    })
+}
+
+/// The API key columns (`k`) and its tenant's rate (`t`) of [`api_key`].
+pub const API_KEY_COLUMNS: &str = "k.id, k.tenant_id, k.hash, t.rate_limit_rps, t.rate_limit_burst";
+
+pub fn api_key(row: &dyn Columns) -> Result<ApiKeyRecord, StorageError> {
+    Ok(ApiKeyRecord {
+        id: row.text("id")?,
+        tenant_id: TenantId::parse(row.text("tenant_id")?).map_err(|_| corrupt("api_keys.tenant_id"))?,
+        hash: row.text("hash")?,
+        rate_limit: rate_limit(row)?,
+    })
+}
+
+/// A plugin version (`version, sha256, config, uploaded_at, active`).
+pub fn plugin_version(row: &dyn Columns) -> Result<PluginVersion, StorageError> {
+    Ok(PluginVersion {
+        version: row.int("version")?,
+        sha256: row.text("sha256")?,
+        config: row.text("config")?,
+        uploaded_at_ms: row.int("uploaded_at")?,
+        active: row.flag("active")?,
+    })
+}
+
+/// A settlement failure as [`crate::storage::redis_store::FAILURES_SQL`] selects it.
+pub fn settlement_failure(row: &dyn Columns) -> Result<SettlementFailure, StorageError> {
+    Ok(SettlementFailure {
+        key: row.text("resource_key")?,
+        request_id: row.text("request_id")?,
+        order_id: row.text("order_id")?,
+        idempotency_key: row.text("idempotency_key")?,
+        qty: row.int("qty")?,
+        reason: row.text("reason")?,
+        available: row.int("available")?,
+        at: Timestamp(row.int("at")?),
+    })
+}
