@@ -258,8 +258,8 @@ pub struct RedisConfig {
     pub claim_idle_ms: u64,
     /// How long a warm or a switch out of redis mode waits for the backlog to settle.
     pub drain_timeout_ms: u64,
-    /// Accepted and ignored (a warning when `false`): every mutating request looks its key up
-    /// in the database first ([`crate::pipeline`]), so a retry always gets its first answer.
+    /// Accepted and ignored (a warning when `false`): an order routed to Redis always has its key
+    /// looked up in the database first ([`crate::pipeline`]), so a retry gets its first answer.
     pub replay_from_database: bool,
 }
 

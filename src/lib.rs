@@ -4,8 +4,8 @@
 //! Crate map:
 //! - [`api`]: the REST contract over axum: extractors, handlers, problem+json, OpenAPI.
 //! - [`engine`]: the pure domain: newtypes, plans, order outcomes, ledger arithmetic.
-//! - [`pipeline`]: the one path of every mutating request: idempotency lookup first, validate,
-//!   plan, route (database or redis mode), execute.
+//! - [`pipeline`]: the one path of every mutating request: validate, plan, route (database or
+//!   redis mode), execute; a key's first answer wins over anything that would answer now.
 //! - [`apply`]: every state change on the database, written once over a narrow storage port.
 //! - [`storage`]: the storage trait and its backends (SQLite, PostgreSQL), each with group commit;
 //!   a backend is SQL text and plumbing behind [`apply::port::Port`].

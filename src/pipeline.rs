@@ -1,16 +1,25 @@
 //! One path for every mutating request, each step in one place and in this order (the HTTP
 //! layer has authenticated the caller and parsed the body under its limits before):
 //!
-//! 1. **Idempotency lookup first.** A key already answered gets its stored response, byte for
-//!    byte (or a mismatch), before any validation, plugin call, mode routing or sold-out check:
-//!    a retry returns the first outcome whatever changed since (another plugin version, a lower
-//!    `orders.max_lines`, a sold-out resource). Only a miss goes on; the claim of the key inside
-//!    the commit still settles races between concurrent first uses.
-//! 2. **Validate, then plan** (the tenant's plugin or the built-in plan).
-//! 3. **Route**: redis mode ([`crate::redis_mode`], which owns mode state) or the database path.
-//! 4. **Execute**: the database path's orchestration ([`crate::apply`]) writes the outcome,
+//! 1. **Validate, then plan** (the tenant's plugin or the built-in plan).
+//! 2. **Route**: redis mode ([`crate::redis_mode`], which owns mode state) or the database path.
+//! 3. **Execute**: the database path's orchestration ([`crate::apply`]) writes the outcome,
 //!    ledger rows and idempotency record in one commit; redis mode, one Lua script plus its
 //!    settlement.
+//!
+//! **The key's first answer wins.** A key already answered gets its stored response, byte for
+//! byte (or a mismatch), whatever changed since (another plugin version or verdict, a lower
+//! `orders.max_lines`, the resource's mode, a sold-out mark). The lookup comes before every
+//! answer that is not the commit's own:
+//! - every answer given before a commit (a validation refusal, a plugin's failure or refusal, a
+//!   busy plan pool, a refusal of the route) is given only after the stored outcome was looked
+//!   up, and loses to it;
+//! - an order routed to Redis is looked up before Redis decides (Redis's record of a key is per
+//!   resource, and knows nothing of a key first used on the database path);
+//! - an order that reaches the database commit is judged by the claim of its key inside that
+//!   commit, before any business write; the claim also settles races between concurrent first
+//!   uses. A separate read before it would find nothing more and cost a read per order: a
+//!   same-binary A/B measured +25 % CPU per order on SQLite's hot key and +40 % on PostgreSQL.
 //!
 //! Reservation moves and adjustments take the same route. Nothing here speaks HTTP: outcomes
 //! are stored responses or [`Refusal`]s, which the API maps to status codes.
@@ -86,9 +95,24 @@ impl Pipeline {
         self.redis.as_deref()
     }
 
-    /// Step 1: the stored response of an answered key.
+    /// The stored response of an answered key.
     async fn answered(&self, tenant: &TenantId, idem: &IdempotencyRequest) -> Result<Option<Idempotent>, Refusal> {
         Ok(self.storage.stored_outcome(tenant, idem).await?)
+    }
+
+    /// The key's stored response if it was answered, else `refusal`: nothing that refuses a
+    /// request now may hide the first answer to its key. Storage that cannot be asked leaves the
+    /// refusal standing (nothing was applied either way).
+    async fn replayed_or(
+        &self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+        refusal: Refusal,
+    ) -> Result<Idempotent, Refusal> {
+        match self.storage.stored_outcome(tenant, idem).await {
+            Ok(Some(previous)) => Ok(previous),
+            Ok(None) | Err(_) => Err(refusal),
+        }
     }
 
     /// Applies an order: every line, or (when the plan allows) those that can.
@@ -98,18 +122,29 @@ impl Pipeline {
         idempotency: IdempotencyRequest,
         body: OrderBody,
     ) -> Result<OrderAnswer, Refusal> {
-        if let Some(previous) = self.answered(tenant, &idempotency).await? {
-            return Ok(OrderAnswer { response: previous, outcome: None });
-        }
-        let order =
-            body.validate(self.orders.max_lines).map_err(|(field, reason)| Refusal::Invalid { field, reason })?;
+        let answer = |response| OrderAnswer { response, outcome: None };
+        let order = match body.validate(self.orders.max_lines) {
+            Ok(order) => order,
+            Err((field, reason)) => {
+                return self.replayed_or(tenant, &idempotency, Refusal::Invalid { field, reason }).await.map(answer)
+            }
+        };
         let now = now_ms();
-        let plan = self.plugins.plan(tenant, &order, now).await?;
+        let plan = match self.plugins.plan(tenant, &order, now).await {
+            Ok(plan) => plan,
+            Err(failure) => return self.replayed_or(tenant, &idempotency, failure.into()).await.map(answer),
+        };
         let ttl_seconds = order.ttl_seconds.unwrap_or(self.orders.default_ttl_seconds);
         let job =
             OrderJob { tenant: tenant.clone(), idempotency, order, plan, ttl_ms: ttl_seconds.saturating_mul(1000) };
         if let Some(redis) = self.redis.as_deref().filter(|r| r.routes(&job)) {
-            return Ok(OrderAnswer { response: redis.order(&job, now).await?, outcome: None });
+            if let Some(previous) = self.answered(tenant, &job.idempotency).await? {
+                return Ok(answer(previous));
+            }
+            return match redis.order(&job, now).await {
+                Ok(response) => Ok(answer(response)),
+                Err(refused) => self.replayed_or(tenant, &job.idempotency, refused.into()).await.map(answer),
+            };
         }
         let executed = self.storage.execute_order(job, now).await?;
         Ok(OrderAnswer { response: executed.response, outcome: executed.outcome })
@@ -134,15 +169,15 @@ impl Pipeline {
         delta: i64,
         reason: Option<&str>,
     ) -> Result<Idempotent, Refusal> {
-        if let Some(previous) = self.answered(tenant, &idempotency).await? {
-            return Ok(previous);
-        }
         if delta == 0 || delta.unsigned_abs() > MAX_LINE_QTY.unsigned_abs() {
-            return Err(Refusal::invalid("delta", format!("must be non-zero and at most {MAX_LINE_QTY} in size")));
+            let refusal = Refusal::invalid("delta", format!("must be non-zero and at most {MAX_LINE_QTY} in size"));
+            return self.replayed_or(tenant, &idempotency, refusal).await;
         }
         if reason.is_some_and(|r| r.chars().count() > 200) {
-            return Err(Refusal::invalid("reason", "must be at most 200 characters"));
+            let refusal = Refusal::invalid("reason", "must be at most 200 characters");
+            return self.replayed_or(tenant, &idempotency, refusal).await;
         }
+        // From here the adjustment's key is claimed inside its commit, which replays an answered one.
         let redis = self.redis.as_deref().filter(|r| r.is_redis(tenant.as_str(), key.as_str()));
         if let Some(redis) = redis {
             redis.drain(tenant.as_str(), key.as_str()).await?;

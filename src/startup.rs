@@ -180,7 +180,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     }
     if !config.redis.replay_from_database {
         tracing::warn!(
-            "[redis] replay_from_database = false is ignored: every mutating request looks its key up first"
+            "[redis] replay_from_database = false is ignored: an order routed to Redis always has its key looked up first"
         );
     }
     let redis = crate::redis_mode::RedisMode::from_config(

@@ -181,8 +181,6 @@ pub enum Savepoint {
     Lines,
     /// Around one line that may change something and still fail (a limit, a creation).
     Line,
-    /// Around batch admission.
-    Batch,
 }
 
 impl Savepoint {
@@ -190,7 +188,6 @@ impl Savepoint {
         match self {
             Savepoint::Lines => "lines",
             Savepoint::Line => "line",
-            Savepoint::Batch => "batch",
         }
     }
 }

@@ -283,7 +283,6 @@ impl Port for PgPort<'_> {
         self.exec(match at {
             Savepoint::Lines => "SAVEPOINT lines",
             Savepoint::Line => "SAVEPOINT line",
-            Savepoint::Batch => "SAVEPOINT batch",
         })
         .await
     }
@@ -292,7 +291,6 @@ impl Port for PgPort<'_> {
         self.exec(match at {
             Savepoint::Lines => "ROLLBACK TO SAVEPOINT lines",
             Savepoint::Line => "ROLLBACK TO SAVEPOINT line",
-            Savepoint::Batch => "ROLLBACK TO SAVEPOINT batch",
         })
         .await
     }
@@ -301,7 +299,6 @@ impl Port for PgPort<'_> {
         self.exec(match at {
             Savepoint::Lines => "RELEASE SAVEPOINT lines",
             Savepoint::Line => "RELEASE SAVEPOINT line",
-            Savepoint::Batch => "RELEASE SAVEPOINT batch",
         })
         .await
     }

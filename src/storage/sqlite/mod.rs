@@ -334,10 +334,9 @@ impl Storage for SqliteStorage {
         idem: &IdempotencyRequest,
     ) -> Result<Option<Idempotent>, StorageError> {
         type Record = (String, i64, String, String);
-        let sql = STORED_OUTCOME_SQL.replace('$', "?");
         let read =
             move |conn: &rusqlite::Connection, tenant: &str, key: &str| -> Result<Option<Record>, StorageError> {
-                let mut statement = conn.prepare_cached(&sql)?;
+                let mut statement = conn.prepare_cached(STORED_OUTCOME_SQL)?;
                 let record = statement
                     .query_row(params![tenant, key], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?)))
                     .optional()?;

@@ -268,7 +268,6 @@ impl Port for SqlitePort<'_> {
         self.exec(match at {
             Savepoint::Lines => "SAVEPOINT lines",
             Savepoint::Line => "SAVEPOINT line",
-            Savepoint::Batch => "SAVEPOINT batch",
         })
     }
 
@@ -276,7 +275,6 @@ impl Port for SqlitePort<'_> {
         self.exec(match at {
             Savepoint::Lines => "ROLLBACK TO lines",
             Savepoint::Line => "ROLLBACK TO line",
-            Savepoint::Batch => "ROLLBACK TO batch",
         })
     }
 
@@ -284,7 +282,6 @@ impl Port for SqlitePort<'_> {
         self.exec(match at {
             Savepoint::Lines => "RELEASE lines",
             Savepoint::Line => "RELEASE line",
-            Savepoint::Batch => "RELEASE batch",
         })
     }
 
