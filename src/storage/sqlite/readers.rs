@@ -16,9 +16,6 @@ use crate::storage::StorageError;
 /// before it goes to a blocking thread, where it may wait the configured busy timeout.
 const POINT_BUSY_TIMEOUT: Duration = Duration::from_millis(5);
 
-/// How much of the database file a reader maps into memory (address space, not RSS).
-const MMAP_BYTES: i64 = 1 << 30;
-
 pub struct Readers {
     path: PathBuf,
     idle: Mutex<Vec<Connection>>,
@@ -41,9 +38,6 @@ impl Readers {
                     OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_URI;
                 let conn = Connection::open_with_flags(&self.path, flags)?;
                 conn.set_prepared_statement_cache_capacity(64);
-                // Every commit of the writer empties a reader's page cache (WAL), so each read
-                // fetches its pages again: mapped, pages of the database file cost no system call.
-                conn.pragma_update(None, "mmap_size", MMAP_BYTES)?;
                 Ok(conn)
             }
         }
