@@ -3,21 +3,19 @@
 //! (or plain SQL in [`ops`] for tenants, keys and plugins); reads run on read-only connections
 //! beside it ([`readers`]), most over the same port. sqlx only applies the migrations at start.
 
+pub mod migrate;
 pub mod ops;
 pub mod port;
 pub mod readers;
 pub mod redis_store;
 pub mod writer;
 
-use std::path::Path;
-use std::str::FromStr;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use rusqlite::{params, OptionalExtension};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::ConnectOptions;
 
 use self::port::{all, mapped, SqlitePort};
 use self::readers::Readers;
@@ -96,37 +94,40 @@ impl Checkpointer {
     }
 }
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
-
-fn options(settings: &SqliteSettings) -> Result<SqliteConnectOptions, StorageError> {
-    let opts = SqliteConnectOptions::from_str(&settings.url)
-        .map_err(|e| StorageError::Internal(format!("bad SQLite URL: {e}")))?
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal)
-        .synchronous(if settings.synchronous_full { SqliteSynchronous::Full } else { SqliteSynchronous::Normal })
-        .busy_timeout(settings.busy_timeout)
-        .foreign_keys(true)
-        .log_statements(tracing::log::LevelFilter::Trace);
-    if let Some(parent) = Path::new(opts.get_filename()).parent() {
-        if !parent.as_os_str().is_empty() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| StorageError::Unavailable(format!("cannot create {}: {e}", parent.display())))?;
-        }
+/// The database file of a `sqlite://path` (or `sqlite:path`) URL, its directory created if
+/// missing. Query parameters are refused rather than ignored: durability and timeouts are
+/// settings of their own.
+fn database_path(settings: &SqliteSettings) -> Result<PathBuf, StorageError> {
+    let bad = |why: &str| StorageError::Internal(format!("bad SQLite URL {:?}: {why}", settings.url));
+    let rest = settings
+        .url
+        .strip_prefix("sqlite://")
+        .or_else(|| settings.url.strip_prefix("sqlite:"))
+        .ok_or_else(|| bad("it must start with sqlite://"))?;
+    if rest.contains('?') {
+        return Err(bad("query parameters are not supported"));
     }
-    Ok(opts)
+    if rest.is_empty() || rest.starts_with(':') {
+        return Err(bad("it must name a database file"));
+    }
+    let path = PathBuf::from(rest);
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| StorageError::Unavailable(format!("cannot create {}: {e}", parent.display())))?;
+    }
+    Ok(path)
 }
 
 impl SqliteStorage {
     /// Opens the database, applies migrations and starts the writer.
     pub async fn open(settings: &SqliteSettings) -> Result<Self, StorageError> {
-        let opts = options(settings)?;
-        Self::migrate(settings).await?;
-        let write_conn = open_writer(opts.get_filename(), settings)?;
-        let checkpointer = Checkpointer::start(opts.get_filename(), settings)?;
+        let path = database_path(settings)?;
+        let mut write_conn = open_writer(&path, settings)?;
+        migrate::run(&mut write_conn)?;
+        let checkpointer = Checkpointer::start(&path, settings)?;
         let (writer, thread) = Writer::start(write_conn, settings.writer)
             .map_err(|e| StorageError::Internal(format!("cannot start the writer thread: {e}")))?;
-        let readers =
-            Readers::new(opts.get_filename(), settings.read_connections.max(1) as usize, settings.busy_timeout);
+        let readers = Readers::new(&path, settings.read_connections.max(1) as usize, settings.busy_timeout);
         Ok(Self {
             readers: Arc::new(readers),
             writer: Mutex::new(Some(writer)),
@@ -137,10 +138,8 @@ impl SqliteStorage {
 
     /// Applies migrations and returns, for `stockd migrate`.
     pub async fn migrate(settings: &SqliteSettings) -> Result<(), StorageError> {
-        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options(settings)?).await?;
-        MIGRATOR.run(&pool).await.map_err(|e| StorageError::Internal(format!("migration failed: {e}")))?;
-        pool.close().await;
-        Ok(())
+        let mut conn = open_writer(&database_path(settings)?, settings)?;
+        migrate::run(&mut conn)
     }
 
     fn readers(&self) -> &Arc<Readers> {

@@ -1,0 +1,95 @@
+//! Applies the SQLite migrations (`migrations/sqlite/*.sql`, embedded at build time) with
+//! rusqlite, keeping sqlx's record of them (`_sqlx_migrations`, same columns and checksums), so
+//! a database migrated by an earlier version carries on where it stopped. Each migration runs in
+//! its own transaction with its record; a half-applied one (`success = false`) or one changed
+//! after it was applied stops the start.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use rusqlite::{params, Connection};
+
+use crate::storage::StorageError;
+
+static MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+
+/// Applies every migration not yet recorded.
+pub fn run(conn: &mut Connection) -> Result<(), StorageError> {
+    let failed = |why: String| StorageError::Internal(format!("migration failed: {why}"));
+    conn.execute_batch(
+        "CREATE TABLE IF NOT EXISTS _sqlx_migrations (
+            version BIGINT PRIMARY KEY,
+            description TEXT NOT NULL,
+            installed_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP,
+            success BOOLEAN NOT NULL,
+            checksum BLOB NOT NULL,
+            execution_time BIGINT NOT NULL
+        )",
+    )?;
+    let mut applied: HashMap<i64, (bool, Vec<u8>)> = HashMap::new();
+    {
+        let mut statement = conn.prepare("SELECT version, success, checksum FROM _sqlx_migrations")?;
+        let rows = statement.query_map([], |row| Ok((row.get(0)?, (row.get(1)?, row.get(2)?))))?;
+        for row in rows {
+            let (version, record) = row?;
+            applied.insert(version, record);
+        }
+    }
+    for migration in MIGRATIONS.iter().filter(|m| !m.migration_type.is_down_migration()) {
+        match applied.get(&migration.version) {
+            Some((false, _)) => {
+                return Err(failed(format!("migration {} was left half-applied", migration.version)));
+            }
+            Some((true, checksum)) if checksum.as_slice() != &*migration.checksum => {
+                return Err(failed(format!("migration {} changed after it was applied", migration.version)));
+            }
+            Some(_) => continue,
+            None => {}
+        }
+        let started = Instant::now();
+        let tx = conn.transaction()?;
+        tx.execute_batch(&migration.sql).map_err(|e| failed(format!("{}: {e}", migration.version)))?;
+        let nanos = i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX);
+        tx.execute(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+             VALUES (?1, ?2, TRUE, ?3, ?4)",
+            params![migration.version, &*migration.description, &*migration.checksum, nanos],
+        )?;
+        tx.commit()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fresh() -> (tempfile::TempDir, Connection) {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let conn = Connection::open(dir.path().join("m.db")).expect("a database");
+        (dir, conn)
+    }
+
+    #[test]
+    fn migrations_apply_once_and_are_recorded_as_sqlx_records_them() {
+        let (_dir, mut conn) = fresh();
+        run(&mut conn).expect("first run");
+        run(&mut conn).expect("second run applies nothing");
+        let recorded: i64 =
+            conn.query_row("SELECT COUNT(*) FROM _sqlx_migrations WHERE success", [], |r| r.get(0)).expect("count");
+        assert_eq!(recorded as usize, MIGRATIONS.iter().count());
+        conn.query_row("SELECT COUNT(*) FROM resources", [], |r| r.get::<_, i64>(0)).expect("the schema exists");
+    }
+
+    #[test]
+    fn a_changed_or_half_applied_migration_stops_the_start() {
+        let (_dir, mut conn) = fresh();
+        run(&mut conn).expect("first run");
+        conn.execute("UPDATE _sqlx_migrations SET checksum = x'00' WHERE version = 1", []).expect("tamper");
+        let changed = run(&mut conn).expect_err("a changed migration is refused");
+        assert!(changed.to_string().contains("changed after it was applied"), "{changed}");
+        conn.execute("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 1", []).expect("tamper");
+        let dirty = run(&mut conn).expect_err("a half-applied migration is refused");
+        assert!(dirty.to_string().contains("half-applied"), "{dirty}");
+    }
+}
