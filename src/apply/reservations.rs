@@ -73,65 +73,59 @@ async fn finish<P: Port>(
     Ok(Some(reservation))
 }
 
+/// Held → confirmed: its lines' reserved becomes consumed. Again on a confirmed one: done.
 pub async fn confirm<P: Port>(
     port: &mut P,
     tenant: &TenantId,
     id: &str,
     now_ms: i64,
 ) -> Result<Transition, StorageError> {
-    for _ in 0..TRANSITION_READS {
-        let Some(reservation) = port.reservation(tenant.as_str(), id).await? else {
-            return Ok(Transition::NotFound);
-        };
-        let transition = match reservation.state {
-            ReservationState::Confirmed => Transition::Done(reservation),
-            ReservationState::Released | ReservationState::Expired => {
-                Transition::Refused(reservation.state, reservation)
-            }
-            // Past its deadline but not yet swept: it is expired. Expiring it here keeps a late
-            // confirm from winning a race with the sweeper.
-            ReservationState::Held if reservation.expires_at.0 <= now_ms => {
-                match finish(port, tenant.as_str(), reservation, ReservationState::Expired, now_ms).await? {
-                    Some(expired) => {
-                        metrics::counter!("stockd_reservations_expired_total").increment(1);
-                        Transition::Refused(ReservationState::Expired, expired)
-                    }
-                    None => continue,
-                }
-            }
-            ReservationState::Held => {
-                match finish(port, tenant.as_str(), reservation, ReservationState::Confirmed, now_ms).await? {
-                    Some(confirmed) => Transition::Done(confirmed),
-                    None => continue,
-                }
-            }
-        };
-        return Ok(transition);
-    }
-    Err(StorageError::Internal(format!("reservation {id} left held twice")))
+    transition(port, tenant, id, ReservationState::Confirmed, now_ms).await
 }
 
+/// Held → released: its lines' reserved goes back to available. Again, or on an expired one:
+/// done.
 pub async fn release<P: Port>(
     port: &mut P,
     tenant: &TenantId,
     id: &str,
     now_ms: i64,
 ) -> Result<Transition, StorageError> {
+    transition(port, tenant, id, ReservationState::Released, now_ms).await
+}
+
+/// Moves a reservation toward `to` (confirmed or released), judged by its state now.
+async fn transition<P: Port>(
+    port: &mut P,
+    tenant: &TenantId,
+    id: &str,
+    to: ReservationState,
+    now_ms: i64,
+) -> Result<Transition, StorageError> {
+    let confirming = to == ReservationState::Confirmed;
     for _ in 0..TRANSITION_READS {
         let Some(reservation) = port.reservation(tenant.as_str(), id).await? else {
             return Ok(Transition::NotFound);
         };
-        let transition = match reservation.state {
-            ReservationState::Released | ReservationState::Expired => Transition::Done(reservation),
-            ReservationState::Confirmed => Transition::Refused(ReservationState::Confirmed, reservation),
-            ReservationState::Held => {
-                match finish(port, tenant.as_str(), reservation, ReservationState::Released, now_ms).await? {
-                    Some(released) => Transition::Done(released),
-                    None => continue,
-                }
+        let state = reservation.state;
+        // Past its deadline but not yet swept, a held reservation is expired. Expiring it here
+        // keeps a late confirm from winning a race with the sweeper.
+        let to = match state {
+            ReservationState::Held if confirming && reservation.expires_at.0 <= now_ms => ReservationState::Expired,
+            ReservationState::Held => to,
+            ReservationState::Confirmed if confirming => return Ok(Transition::Done(reservation)),
+            ReservationState::Released | ReservationState::Expired if !confirming => {
+                return Ok(Transition::Done(reservation))
             }
+            _ => return Ok(Transition::Refused(state, reservation)),
         };
-        return Ok(transition);
+        let Some(moved) = finish(port, tenant.as_str(), reservation, to, now_ms).await? else { continue };
+        return Ok(if to == ReservationState::Expired {
+            metrics::counter!("stockd_reservations_expired_total").increment(1);
+            Transition::Refused(ReservationState::Expired, moved)
+        } else {
+            Transition::Done(moved)
+        });
     }
     Err(StorageError::Internal(format!("reservation {id} left held twice")))
 }
