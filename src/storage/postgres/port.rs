@@ -8,7 +8,7 @@
 //! row, then replays); a reservation leaves `held` only by a guarded UPDATE; sweeps lock their
 //! rows with `SKIP LOCKED`.
 
-use sqlx::postgres::PgRow;
+use sqlx::postgres::{PgArguments, PgRow};
 use std::collections::HashMap;
 
 use sqlx::{PgConnection, Row as SqlRow};
@@ -885,44 +885,42 @@ impl Reads for PgPort<'_> {
     }
 
     async fn ledger_rows(&mut self, tenant: Option<&str>) -> Result<LedgerRows, StorageError> {
-        let resources = sqlx::query(&format!(
-            "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources WHERE ($1::text IS NULL OR tenant_id = $1::text)
+        // One tenant's reconciliation reads its own rows only (through the tenant-first keys);
+        // `$1 IS NULL OR tenant_id = $1` would scan every tenant's ledger under a generic plan.
+        let only = if tenant.is_some() { "WHERE tenant_id = $1" } else { "" };
+        fn bind<'q>(sql: &'q str, tenant: Option<&'q str>) -> sqlx::query::Query<'q, sqlx::Postgres, PgArguments> {
+            match tenant {
+                Some(t) => sqlx::query(sql).bind(t),
+                None => sqlx::query(sql),
+            }
+        }
+        let sql = format!(
+            "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources {only}
              ORDER BY tenant_id COLLATE \"C\", key COLLATE \"C\""
-        ))
-        .bind(tenant)
-        .fetch_all(&mut *self.conn)
-        .await?;
+        );
+        let resources = bind(&sql, tenant).fetch_all(&mut *self.conn).await?;
         let resources = resources
             .iter()
             .map(|row| Ok((row.text("tenant_id")?, rows::resource(row)?)))
             .collect::<Result<_, StorageError>>()?;
         // SUM over BIGINT is NUMERIC in PostgreSQL; the cast fails (rather than wraps) on overflow.
-        let sums = sqlx::query(
-            "SELECT tenant_id, resource_key, bucket, op, SUM(qty)::BIGINT AS qty, COUNT(*) AS n FROM ledger
-             WHERE ($1::text IS NULL OR tenant_id = $1::text) GROUP BY tenant_id, resource_key, bucket, op",
-        )
-        .bind(tenant)
-        .fetch_all(&mut *self.conn)
-        .await?;
+        let sql = format!(
+            "SELECT tenant_id, resource_key, bucket, op, SUM(qty)::BIGINT AS qty, COUNT(*) AS n FROM ledger {only}
+             GROUP BY tenant_id, resource_key, bucket, op"
+        );
+        let sums = bind(&sql, tenant).fetch_all(&mut *self.conn).await?;
         let sums = sums.iter().map(|row| rows::ledger_sum(row)).collect::<Result<_, _>>()?;
-        let newest = sqlx::query(
+        let sql = format!(
             "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
              FROM ledger l
-             JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE ($1::text IS NULL OR tenant_id = $1::text)
-                   GROUP BY tenant_id, resource_key, bucket) m
-               ON l.seq = m.seq",
-        )
-        .bind(tenant)
-        .fetch_all(&mut *self.conn)
-        .await?;
+             JOIN (SELECT MAX(seq) AS seq FROM ledger {only} GROUP BY tenant_id, resource_key, bucket) m
+               ON l.seq = m.seq"
+        );
+        let newest = bind(&sql, tenant).fetch_all(&mut *self.conn).await?;
         let newest = newest.iter().map(|row| rows::newest_entry(row)).collect::<Result<_, _>>()?;
-        let buckets = sqlx::query(&format!(
-            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE ($1::text IS NULL OR tenant_id = $1::text)
-             ORDER BY tenant_id, resource_key, bucket"
-        ))
-        .bind(tenant)
-        .fetch_all(&mut *self.conn)
-        .await?;
+        let sql =
+            format!("SELECT {BUCKET_COLUMNS} FROM resource_buckets {only} ORDER BY tenant_id, resource_key, bucket");
+        let buckets = bind(&sql, tenant).fetch_all(&mut *self.conn).await?;
         let buckets = rows::group_buckets(buckets.iter().map(|row| rows::bucket(row)).collect::<Result<Vec<_>, _>>()?);
         Ok(LedgerRows { resources, sums, newest, buckets })
     }

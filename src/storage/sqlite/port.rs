@@ -693,29 +693,64 @@ impl Reads for SqlitePort<'_> {
     }
 
     async fn ledger_rows(&mut self, tenant: Option<&str>) -> Result<LedgerRows, StorageError> {
-        let mut resources = self.conn.prepare_cached(&format!(
-            "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources WHERE (?1 IS NULL OR tenant_id = ?1)
-             ORDER BY tenant_id, key"
-        ))?;
-        let resources = all(&mut resources, params![tenant], |row| Ok((row.text("tenant_id")?, rows::resource(row)?)))?;
-        let mut sums = self.conn.prepare_cached(
-            "SELECT tenant_id, resource_key, bucket, op, SUM(qty) AS qty, COUNT(*) AS n FROM ledger
-             WHERE (?1 IS NULL OR tenant_id = ?1) GROUP BY tenant_id, resource_key, bucket, op",
-        )?;
-        let sums = all(&mut sums, params![tenant], rows::ledger_sum)?;
-        let mut newest = self.conn.prepare_cached(
+        let [resources, sums, newest, buckets] = ledger_rows_sql(tenant.is_some());
+        // One tenant's reconciliation reads its own rows only (through the tenant-first keys);
+        // `?1 IS NULL OR tenant_id = ?1` would scan every tenant's ledger.
+        let bind: Vec<&str> = tenant.into_iter().collect();
+        let params = rusqlite::params_from_iter(bind.iter());
+        let mut statement = self.conn.prepare_cached(&resources)?;
+        let resources = all(&mut statement, params.clone(), |row| Ok((row.text("tenant_id")?, rows::resource(row)?)))?;
+        let sums = all(&mut self.conn.prepare_cached(&sums)?, params.clone(), rows::ledger_sum)?;
+        let newest = all(&mut self.conn.prepare_cached(&newest)?, params.clone(), rows::newest_entry)?;
+        let buckets = rows::group_buckets(all(&mut self.conn.prepare_cached(&buckets)?, params, rows::bucket)?);
+        Ok(LedgerRows { resources, sums, newest, buckets })
+    }
+}
+
+/// The four queries of reconciliation: resources, per-op ledger sums, newest entries, buckets;
+/// for one tenant (`?1`) or for all.
+fn ledger_rows_sql(one_tenant: bool) -> [String; 4] {
+    let only = if one_tenant { "WHERE tenant_id = ?1" } else { "" };
+    [
+        format!("SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources {only} ORDER BY tenant_id, key"),
+        format!(
+            "SELECT tenant_id, resource_key, bucket, op, SUM(qty) AS qty, COUNT(*) AS n FROM ledger {only}
+             GROUP BY tenant_id, resource_key, bucket, op"
+        ),
+        format!(
             "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
              FROM ledger l
-             JOIN (SELECT MAX(seq) AS seq FROM ledger WHERE (?1 IS NULL OR tenant_id = ?1)
-                   GROUP BY tenant_id, resource_key, bucket) m
-               ON l.seq = m.seq",
-        )?;
-        let newest = all(&mut newest, params![tenant], rows::newest_entry)?;
-        let mut buckets = self.conn.prepare_cached(&format!(
-            "SELECT {BUCKET_COLUMNS} FROM resource_buckets WHERE (?1 IS NULL OR tenant_id = ?1)
-             ORDER BY tenant_id, resource_key, bucket"
-        ))?;
-        let buckets = rows::group_buckets(all(&mut buckets, params![tenant], rows::bucket)?);
-        Ok(LedgerRows { resources, sums, newest, buckets })
+             JOIN (SELECT MAX(seq) AS seq FROM ledger {only} GROUP BY tenant_id, resource_key, bucket) m
+               ON l.seq = m.seq"
+        ),
+        format!("SELECT {BUCKET_COLUMNS} FROM resource_buckets {only} ORDER BY tenant_id, resource_key, bucket"),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Proves one tenant's reconciliation reads only that tenant's rows: SQLite's plan for each
+    /// of its queries searches by the tenant-first keys and scans no table whole.
+    #[test]
+    fn one_tenants_reconciliation_reads_through_the_tenant_keys() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let mut conn = Connection::open(dir.path().join("plan.db")).expect("a database");
+        super::super::migrate::run(&mut conn).expect("migrations");
+        for sql in ledger_rows_sql(true) {
+            let mut explain = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).expect("explain");
+            let plan: Vec<String> = explain
+                .query_map(params!["shop"], |row| row.get::<_, String>(3))
+                .expect("plan rows")
+                .collect::<rusqlite::Result<_>>()
+                .expect("plan");
+            // `SCAN <table>` reads a whole table; `SCAN m` reads the subquery's own result.
+            let tables = ["resources", "ledger", "l", "resource_buckets"];
+            let whole = plan.iter().find(|step| {
+                step.strip_prefix("SCAN ").is_some_and(|t| tables.contains(&t.split(' ').next().unwrap_or("")))
+            });
+            assert!(whole.is_none(), "{sql}\nscans a whole table: {plan:?}");
+        }
     }
 }
