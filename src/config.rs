@@ -188,6 +188,10 @@ pub struct ServerConfig {
     pub request_timeout_ms: u64,
     /// On SIGTERM, how long in-flight requests may take to finish.
     pub shutdown_grace_ms: u64,
+    /// Most requests served at once (health, readiness and metrics aside); one more is answered
+    /// `503` with `Retry-After` at once, before its body is read, so load beyond this costs no
+    /// memory.
+    pub max_in_flight_requests: usize,
 }
 
 impl Default for ServerConfig {
@@ -199,6 +203,7 @@ impl Default for ServerConfig {
             body_limit_bytes: 1024 * 1024,
             request_timeout_ms: 30_000,
             shutdown_grace_ms: 30_000,
+            max_in_flight_requests: 4_096,
         }
     }
 }
@@ -449,6 +454,7 @@ impl Config {
         let positive = [
             ("server.body_limit_bytes", self.server.body_limit_bytes as u64),
             ("server.request_timeout_ms", self.server.request_timeout_ms),
+            ("server.max_in_flight_requests", self.server.max_in_flight_requests as u64),
             ("database.max_connections", u64::from(self.database.max_connections)),
             ("batch.max_batch", self.batch.max_batch as u64),
             ("batch.queue_depth", self.batch.queue_depth as u64),

@@ -199,11 +199,13 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         settings: ApiSettings {
             body_limit_bytes: config.server.body_limit_bytes,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
+            max_in_flight: config.server.max_in_flight_requests,
             max_plugin_versions: config.plugins.max_versions_per_tenant,
         },
         metrics: Some(metrics),
         redis: redis.clone(),
         pipeline: Pipeline::new(storage.clone(), plugins, redis, orders),
+        in_flight: Arc::new(tokio::sync::Semaphore::new(config.server.max_in_flight_requests)),
     });
     run(listener, state, &config, shutdown_signal()).await
 }

@@ -36,6 +36,8 @@ use crate::storage::{ContentType, Idempotent, Storage, StoredResponse};
 pub struct ApiSettings {
     pub body_limit_bytes: usize,
     pub request_timeout: Duration,
+    /// Most requests served at once (`[server] max_in_flight_requests`).
+    pub max_in_flight: usize,
     /// Plugin versions a tenant keeps (`[plugins] max_versions_per_tenant`).
     pub max_plugin_versions: usize,
 }
@@ -53,6 +55,8 @@ pub struct AppState {
     pub redis: Option<Arc<crate::redis_mode::RedisMode>>,
     /// The path of every mutating request.
     pub pipeline: crate::pipeline::Pipeline,
+    /// One permit per request in flight (see [`ApiSettings::max_in_flight`]).
+    pub in_flight: Arc<tokio::sync::Semaphore>,
 }
 
 pub type SharedState = Arc<AppState>;
@@ -91,6 +95,20 @@ async fn method_not_allowed() -> ApiError {
 /// tenant's rate-limit headers on a served tenant request.
 async fn observe(State(state): State<SharedState>, mut request: Request, next: Next) -> Response {
     let started = Instant::now();
+    // Operations routes stay answerable under any load: probes must not be shed.
+    let operational = matches!(request.uri().path(), "/healthz" | "/readyz" | "/metrics");
+    let _permit = match (operational, Arc::clone(&state.in_flight).try_acquire_owned()) {
+        (true, _) => None,
+        (false, Ok(permit)) => Some(InFlight::start(permit)),
+        (false, Err(_)) => {
+            metrics::counter!("stockd_http_shed_total").increment(1);
+            let detail = format!(
+                "the server has {} requests in flight, its limit; nothing was applied, retry shortly",
+                state.settings.max_in_flight
+            );
+            return ApiError::unavailable(&detail).into_response();
+        }
+    };
     let note = extract::RateLimitNote::default();
     request.extensions_mut().insert(note.clone());
     let method = request.method().as_str().to_string();
@@ -109,6 +127,23 @@ async fn observe(State(state): State<SharedState>, mut request: Request, next: N
     metrics::histogram!("stockd_http_request_duration_seconds", "method" => method, "route" => route)
         .record(started.elapsed().as_secs_f64());
     response
+}
+
+/// A request counted against `[server] max_in_flight_requests` until it ends (or is dropped,
+/// when its client goes away), with the gauge `stockd_http_requests_in_flight`.
+struct InFlight(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
+
+impl InFlight {
+    fn start(permit: tokio::sync::OwnedSemaphorePermit) -> Self {
+        metrics::gauge!("stockd_http_requests_in_flight").increment(1.0);
+        Self(permit)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics::gauge!("stockd_http_requests_in_flight").decrement(1.0);
+    }
 }
 
 /// Turns a stored (or fresh) idempotent response into HTTP, byte for byte.

@@ -2,7 +2,10 @@
 
 use reqwest::Method;
 
-use crate::helpers::{assert_problem, assert_problem_status, deduct, send, spawn_app};
+use crate::helpers::{
+    assert_counts, assert_problem, assert_problem_status, deduct, send, spawn_app, spawn_app_with, AppOptions,
+};
+use crate::redis_support::TableHold;
 
 /// `/healthz` and `/readyz` answer 200 without credentials.
 #[tokio::test]
@@ -120,4 +123,49 @@ async fn wrong_method_is_a_problem_document() {
     assert_problem_status(&reply, 405);
     let reply = send(shop.request(Method::PUT, "/v1/resources")).await;
     assert_problem_status(&reply, 405);
+}
+
+/// Proves load beyond `[server] max_in_flight_requests` is shed at once rather than queued:
+/// with a limit of 2 and two orders held in flight (the resources table is locked, so their
+/// commit waits), another request is answered `503` with `Retry-After` straight away, naming the
+/// limit, while `/healthz` still answers; once the lock is released the two held orders commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_the_in_flight_limit_are_shed_at_once() {
+    let opts = AppOptions::default().toml("[server]\nmax_in_flight_requests = 2\n[database]\nbusy_timeout_ms = 60000");
+    let app = spawn_app_with(opts).await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 10).await;
+
+    let hold = TableHold::take(app.database_url()).await;
+    let held: Vec<_> = (0..2)
+        .map(|n| {
+            let shop = shop.clone();
+            tokio::spawn(async move {
+                let key = format!("held-{n}");
+                shop.order(&key, &deduct(&key, &[("sku-1", 1)])).await
+            })
+        })
+        .collect();
+    // Both orders are in flight once the gauge says so (`/metrics` is never shed).
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let metrics = app.get_anonymous("/metrics").await;
+        if metrics.text.lines().any(|line| line == "stockd_http_requests_in_flight 2") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the two orders never were in flight:\n{}", metrics.text);
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let shed = shop.get("/v1/resources/sku-1").await;
+    assert_eq!(shed.status(), 503, "{}", shed.text);
+    assert!(shed.header("retry-after").is_some(), "a shed request says when to retry");
+    assert!(shed.text.contains("in flight"), "{}", shed.text);
+    assert_eq!(app.get_anonymous("/healthz").await.status(), 200, "probes are never shed");
+
+    hold.release().await;
+    for order in held {
+        let reply = order.await.expect("the held order's task ends");
+        assert_eq!(reply.status(), 201, "{}", reply.text);
+    }
+    assert_counts(&shop.state("sku-1").await, 8, 0, 2, 10);
 }
