@@ -91,10 +91,6 @@ impl Pipeline {
         Self { storage, plugins, redis, orders }
     }
 
-    pub fn redis(&self) -> Option<&RedisMode> {
-        self.redis.as_deref()
-    }
-
     /// The stored response of an answered key.
     async fn answered(&self, tenant: &TenantId, idem: &IdempotencyRequest) -> Result<Option<Idempotent>, Refusal> {
         Ok(self.storage.stored_outcome(tenant, idem).await?)

@@ -114,25 +114,16 @@ pub async fn admit<P: Port>(
             outcome: Some((admitted.status, admitted.results)),
         });
     }
-    for (tenant, keys) in &rows {
-        for (key, row) in keys {
-            let Some(&read_version) = read_at.get(&(tenant.clone(), key.clone())) else { continue };
-            if row.version != read_version {
-                let at = changed_at.get(&(tenant.clone(), key.clone())).copied().unwrap_or_default();
-                writes.rows.push(RowWrite {
-                    tenant: tenant.clone(),
-                    key: key.clone(),
-                    after: Counts {
-                        available: row.available,
-                        reserved: row.reserved,
-                        consumed: row.consumed,
-                        version: row.version,
-                    },
-                    read_version,
-                    at,
-                });
-            }
-        }
+    // The rows the kept changes touched, each written once as admission left it.
+    for ((tenant, key), at) in changed_at {
+        let (Some(row), Some(&read_version)) =
+            (rows.get(&tenant).and_then(|r| r.get(&key)), read_at.get(&(tenant.clone(), key.clone())))
+        else {
+            return Err(StorageError::Internal(format!("batch admission changed {key}, a row it did not read")));
+        };
+        let after =
+            Counts { available: row.available, reserved: row.reserved, consumed: row.consumed, version: row.version };
+        writes.rows.push(RowWrite { tenant, key, after, read_version, at });
     }
     // One global order for the row writes, so two batches never wait on each other in a cycle.
     writes.rows.sort_by(|a, b| (&a.tenant, &a.key).cmp(&(&b.tenant, &b.key)));

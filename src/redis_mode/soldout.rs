@@ -41,10 +41,6 @@ impl SoldOut {
         self.keys.read().ok().and_then(|k| k.get(&(tenant.to_string(), key.to_string())).copied())
     }
 
-    pub fn contains(&self, tenant: &str, key: &str) -> bool {
-        self.state(tenant, key).is_some()
-    }
-
     pub fn mark(&self, tenant: &str, key: &str, mark: Mark) {
         if let Ok(mut keys) = self.keys.write() {
             let id = (tenant.to_string(), key.to_string());

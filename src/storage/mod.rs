@@ -106,6 +106,14 @@ impl StoredResponse {
         Ok(Self { status, content_type: ContentType::Json, body })
     }
 
+    /// A response as an idempotency record stores it (`response_code, response_type,
+    /// response_body`).
+    pub fn from_db(code: i64, kind: &str, body: String) -> Result<Self, StorageError> {
+        let status = u16::try_from(code)
+            .map_err(|_| StorageError::Internal("unexpected stored value in idempotency.response_code".into()))?;
+        Ok(Self { status, content_type: ContentType::from_db(kind), body })
+    }
+
     pub fn problem(problem: &Problem) -> Result<Self, StorageError> {
         let body = serde_json::to_string(problem).map_err(|e| StorageError::Internal(e.to_string()))?;
         Ok(Self { status: problem.status, content_type: ContentType::Problem, body })
@@ -118,6 +126,18 @@ impl StoredResponse {
 pub struct IdempotencyRequest {
     pub key: IdempotencyKey,
     pub request_hash: String,
+}
+
+impl IdempotencyRequest {
+    /// The answer to this request from its key's stored record: the first response if the
+    /// record was made for the same request, else a mismatch.
+    pub fn judge(&self, stored_hash: &str, response: StoredResponse) -> Idempotent {
+        if stored_hash == self.request_hash {
+            Idempotent::Replayed(response)
+        } else {
+            Idempotent::Mismatch
+        }
+    }
 }
 
 /// How an idempotent call ended.

@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{ContentType, IdempotencyRequest, Idempotent, StorageError, StoredResponse};
+use super::StorageError;
 use crate::engine::{LedgerOp, Mode, ReservationState, ResourceKey, ResourceState, TenantId};
 
 /// One success Redis acknowledged, as its Lua script appended it to the resource's stream.
@@ -86,15 +86,6 @@ pub(crate) const STORED_OUTCOME_SQL: &str = "SELECT request_hash, response_code,
 pub(crate) fn parse_pair(tenant: String, key: String) -> Result<(TenantId, ResourceKey), StorageError> {
     let corrupt = |e: crate::engine::InvalidValue| StorageError::Internal(format!("stored resource: {e}"));
     Ok((TenantId::parse(tenant).map_err(corrupt)?, ResourceKey::parse(key).map_err(corrupt)?))
-}
-
-/// A stored idempotency record judged against this request.
-pub(crate) fn outcome_of(idem: &IdempotencyRequest, hash: &str, code: i64, kind: &str, body: String) -> Idempotent {
-    if hash != idem.request_hash {
-        return Idempotent::Mismatch;
-    }
-    let status = u16::try_from(code).unwrap_or(500);
-    Idempotent::Replayed(StoredResponse { status, content_type: ContentType::from_db(kind), body })
 }
 
 /// How a settlement record ended in the database.

@@ -354,21 +354,7 @@ impl TestApp {
         let dir = tempfile::tempdir().expect("a temporary directory can be created");
         let config_path = dir.path().join("stockd.toml");
         std::fs::copy(&self.config_path, &config_path).expect("the config file can be copied");
-        let mut sibling = TestApp {
-            addr: String::new(),
-            admin_token: self.admin_token.clone(),
-            client: http_client(),
-            base_url: Arc::new(RwLock::new(String::new())),
-            child: None,
-            logs: Arc::new(Mutex::new(String::new())),
-            opts: self.opts.clone(),
-            database_url: self.database_url.clone(),
-            config_path,
-            _database: None,
-            dir,
-        };
-        sibling.start().await;
-        sibling
+        self.sibling(dir, config_path, self.opts.clone()).await
     }
 
     /// Another server process on the same database, like `spawn_sibling`, but configured by
@@ -382,6 +368,11 @@ impl TestApp {
             opts.extra_toml
         );
         std::fs::write(&config_path, config).expect("the config file can be written");
+        self.sibling(dir, config_path, opts).await
+    }
+
+    /// Starts a process on this one's database and admin token with the config at `config_path`.
+    async fn sibling(&self, dir: TempDir, config_path: PathBuf, opts: AppOptions) -> TestApp {
         let mut sibling = TestApp {
             addr: String::new(),
             admin_token: self.admin_token.clone(),

@@ -38,7 +38,7 @@ use crate::engine::{
     ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
-use crate::storage::redis_store::{outcome_of, STORED_OUTCOME_SQL};
+use crate::storage::redis_store::STORED_OUTCOME_SQL;
 
 /// How the PostgreSQL backend is opened.
 #[derive(Debug, Clone)]
@@ -354,7 +354,8 @@ impl Storage for PgStorage {
             .bind(idem.key.as_str())
             .fetch_optional(&mut *conn)
             .await?;
-        Ok(row.map(|(hash, code, kind, body)| outcome_of(idem, &hash, i64::from(code), &kind, body)))
+        let Some((hash, code, kind, body)) = row else { return Ok(None) };
+        Ok(Some(idem.judge(&hash, super::StoredResponse::from_db(i64::from(code), &kind, body)?)))
     }
 
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {

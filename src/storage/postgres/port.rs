@@ -24,7 +24,7 @@ use crate::engine::{
 };
 use crate::storage::redis_store::SettleRecord;
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
-use crate::storage::{ContentType, IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
+use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
 
 fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
@@ -37,11 +37,7 @@ pub(super) fn stored_response(row: &PgRow) -> Result<Option<StoredResponse>, Sto
     let kind: Option<&str> = row.try_get("response_type")?;
     let body: Option<String> = row.try_get("response_body")?;
     let (Some(code), Some(kind), Some(body)) = (code, kind, body) else { return Ok(None) };
-    Ok(Some(StoredResponse {
-        status: u16::try_from(code).map_err(|_| corrupt("idempotency.response_code"))?,
-        content_type: ContentType::from_db(kind),
-        body,
-    }))
+    StoredResponse::from_db(i64::from(code), kind, body).map(Some)
 }
 
 /// A guarded UPDATE and its ledger row in one statement. `$1` quantity, `$2` time, `$3` tenant,
@@ -190,14 +186,6 @@ impl<'c> PgPort<'c> {
     }
 }
 
-fn judged(idem_hash: &str, stored_hash: &str, response: StoredResponse) -> Idempotent {
-    if stored_hash == idem_hash {
-        Idempotent::Replayed(response)
-    } else {
-        Idempotent::Mismatch
-    }
-}
-
 impl Port for PgPort<'_> {
     /// The INSERT comes first because it is what serialises duplicates across processes: if
     /// another transaction holds an uncommitted row for the key, `ON CONFLICT` waits for it to
@@ -242,7 +230,7 @@ impl Port for PgPort<'_> {
                 idem.key.as_str()
             )));
         };
-        Ok(Some(judged(&idem.request_hash, hash, response)))
+        Ok(Some(idem.judge(hash, response)))
     }
 
     async fn store_outcome(
@@ -713,7 +701,7 @@ impl Port for PgPort<'_> {
                     return Claim::Ours;
                 }
                 match stored.remove(&id) {
-                    Some((hash, response)) => Claim::Answered(judged(&idem.request_hash, &hash, response)),
+                    Some((hash, response)) => Claim::Answered(idem.judge(&hash, response)),
                     None => Claim::Unsure,
                 }
             })

@@ -32,7 +32,6 @@ use crate::engine::{
     ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
-use crate::storage::redis_store::{outcome_of, STORED_OUTCOME_SQL};
 
 /// How the SQLite backend is opened.
 #[derive(Debug, Clone)]
@@ -332,25 +331,14 @@ impl Storage for SqliteStorage {
         tenant: &TenantId,
         idem: &IdempotencyRequest,
     ) -> Result<Option<Idempotent>, StorageError> {
-        type Record = (String, i64, String, String);
-        let read =
-            move |conn: &rusqlite::Connection, tenant: &str, key: &str| -> Result<Option<Record>, StorageError> {
-                let mut statement = conn.prepare_cached(STORED_OUTCOME_SQL)?;
-                let record = statement
-                    .query_row(params![tenant, key], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?)))
-                    .optional()?;
-                Ok(record)
-            };
         // In-process (microseconds); on a blocking thread only if the database was locked.
-        let record = match self.readers.point(|conn| read(conn, tenant.as_str(), idem.key.as_str())) {
-            Ok(record) => record,
+        match self.readers.point(|conn| SqlitePort::new(conn).lookup(tenant, idem)) {
             Err(StorageError::Unavailable(_)) => {
-                let (tenant, key) = (tenant.to_string(), idem.key.to_string());
-                self.readers.snapshot(move |conn| read(conn, &tenant, &key)).await?
+                let (tenant, idem) = (tenant.clone(), idem.clone());
+                self.readers.snapshot(move |conn| SqlitePort::new(conn).lookup(&tenant, &idem)).await
             }
-            Err(err) => return Err(err),
-        };
-        Ok(record.map(|(hash, code, kind, body)| outcome_of(idem, &hash, code, &kind, body)))
+            answered => answered,
+        }
     }
 
     async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {

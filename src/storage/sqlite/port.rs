@@ -18,9 +18,9 @@ use crate::engine::{
     BucketCounts, Kind, LedgerEntry, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus,
     TenantId, MAX_TOTAL,
 };
-use crate::storage::redis_store::SettleRecord;
+use crate::storage::redis_store::{SettleRecord, STORED_OUTCOME_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
-use crate::storage::{ContentType, IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
+use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
 
 pub(super) fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
@@ -138,13 +138,15 @@ impl<'c> SqlitePort<'c> {
         Ok(())
     }
 
-    fn lookup(&self, tenant: &TenantId, idem: &IdempotencyRequest) -> Result<Option<Idempotent>, StorageError> {
+    /// The finished outcome stored under the key, judged against this request.
+    pub(super) fn lookup(
+        &self,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+    ) -> Result<Option<Idempotent>, StorageError> {
         let row = self
             .conn
-            .prepare_cached(
-                "SELECT request_hash, response_code, response_type, response_body FROM idempotency
-                 WHERE tenant_id = ?1 AND key = ?2",
-            )?
+            .prepare_cached(STORED_OUTCOME_SQL)?
             .query_row(params![tenant.as_str(), idem.key.as_str()], |row| {
                 Ok((
                     row.get::<_, String>(0)?,
@@ -154,15 +156,8 @@ impl<'c> SqlitePort<'c> {
                 ))
             })
             .optional()?;
-        let Some((hash, status, kind, body)) = row else { return Ok(None) };
-        if hash != idem.request_hash {
-            return Ok(Some(Idempotent::Mismatch));
-        }
-        Ok(Some(Idempotent::Replayed(StoredResponse {
-            status: u16::try_from(status).map_err(|_| corrupt("idempotency.response_code"))?,
-            content_type: ContentType::from_db(&kind),
-            body,
-        })))
+        let Some((hash, code, kind, body)) = row else { return Ok(None) };
+        Ok(Some(idem.judge(&hash, StoredResponse::from_db(code, &kind, body)?)))
     }
 
     fn ledger(&self, e: &Entry<'_>, after: Counts) -> Result<(), StorageError> {
