@@ -263,9 +263,24 @@ pub struct RedisConfig {
     pub claim_idle_ms: u64,
     /// How long a warm or a switch out of redis mode waits for the backlog to settle.
     pub drain_timeout_ms: u64,
+    /// How long a warm, switch or adjustment may keep a resource closed in Redis. A process that
+    /// dies half-way leaves it closed; once this lease runs out, the settlement loop of any
+    /// process warms it again. Longer than `drain_timeout_ms`; unset: twice it.
+    pub lease_ms: Option<u64>,
+    /// How often each process reads again which resources are in redis mode. A process that has
+    /// not yet seen a switch is corrected on its next order of that resource anyway (the
+    /// database path refuses a redis-mode resource; Redis holds nothing of a db-mode one).
+    pub mode_refresh_ms: u64,
     /// Accepted and ignored (a warning when `false`): an order routed to Redis always has its key
     /// looked up in the database first ([`crate::pipeline`]), so a retry gets its first answer.
     pub replay_from_database: bool,
+}
+
+impl RedisConfig {
+    /// `lease_ms`, or twice `drain_timeout_ms`.
+    pub fn lease_ms(&self) -> u64 {
+        self.lease_ms.unwrap_or(self.drain_timeout_ms.saturating_mul(2))
+    }
 }
 
 impl Default for RedisConfig {
@@ -281,6 +296,8 @@ impl Default for RedisConfig {
             settle_poll_ms: 5,
             claim_idle_ms: 5_000,
             drain_timeout_ms: 10_000,
+            lease_ms: None,
+            mode_refresh_ms: 1_000,
             replay_from_database: true,
         }
     }
@@ -491,6 +508,11 @@ impl Config {
         }
         if self.redis.timeout_ms == 0 || self.redis.settle_batch == 0 || self.redis.settle_batch > 10_000 {
             bail!("redis.timeout_ms must be > 0 and redis.settle_batch between 1 and 10000");
+        }
+        if self.redis.lease_ms() <= self.redis.drain_timeout_ms || self.redis.mode_refresh_ms == 0 {
+            bail!(
+                "redis.lease_ms must be greater than redis.drain_timeout_ms, and redis.mode_refresh_ms greater than 0"
+            );
         }
         if self.plugins.max_live_instances < 2 {
             bail!("plugins.max_live_instances must be at least 2");

@@ -28,11 +28,14 @@ use std::sync::Arc;
 
 use crate::engine::order::OrderBody;
 use crate::engine::{
-    InvalidValue, LineResult, OrderDocument, OrderStatus, Plan, ReservationState, ResourceKey, TenantId, MAX_LINE_QTY,
+    InvalidValue, LineResult, Mode, OrderDocument, OrderStatus, Plan, ReservationState, ResourceKey, TenantId,
+    MAX_LINE_QTY,
 };
 use crate::plugin::{PlanFailure, Registry};
 use crate::redis_mode::{RedisMode, RedisModeError};
-use crate::storage::{AdjustRefusal, IdempotencyRequest, Idempotent, OrderJob, Storage, StorageError, Transition};
+use crate::storage::{
+    AdjustRefusal, IdempotencyRequest, Idempotent, ModeFence, OrderJob, Storage, StorageError, Transition,
+};
 use crate::time::now_ms;
 
 /// The limits and defaults of orders (`[orders]`).
@@ -72,6 +75,9 @@ pub struct OrderAnswer {
     pub response: Idempotent,
     pub outcome: Option<(OrderStatus, Vec<LineResult>)>,
 }
+
+/// How often an adjustment decides again when the resource's mode moved under it.
+const MODE_ATTEMPTS: usize = 3;
 
 /// The pipeline of one process.
 pub struct Pipeline {
@@ -134,16 +140,44 @@ impl Pipeline {
         let job =
             OrderJob { tenant: tenant.clone(), idempotency, order, plan, ttl_ms: ttl_seconds.saturating_mul(1000) };
         if let Some(redis) = self.redis.as_deref().filter(|r| r.routes(&job)) {
-            if let Some(previous) = self.answered(tenant, &job.idempotency).await? {
-                return Ok(answer(previous));
-            }
-            return match redis.order(&job, now).await {
-                Ok(response) => Ok(answer(response)),
-                Err(refused) => self.replayed_or(tenant, &job.idempotency, refused.into()).await.map(answer),
-            };
+            return self.order_in_redis(redis, job, now).await;
         }
-        let executed = self.storage.execute_order(job, now).await?;
-        Ok(OrderAnswer { response: executed.response, outcome: executed.outcome })
+        // Kept only where a resource may have entered redis mode unseen (a server with Redis).
+        let again = self.redis.as_ref().map(|_| job.clone());
+        match self.storage.execute_order(job, now).await {
+            Ok(executed) => Ok(OrderAnswer { response: executed.response, outcome: executed.outcome }),
+            // Planned before this process learnt that a resource entered redis mode (its
+            // database copy refused the line): this process's view is corrected by `routes_now`,
+            // and the order goes to Redis, its key still free.
+            Err(StorageError::RetryLater(why)) => match (self.redis.as_deref(), again) {
+                (Some(redis), Some(job)) if redis.routes_now(self.storage.as_ref(), &job).await? => {
+                    self.order_in_redis(redis, job, now).await
+                }
+                _ => Err(StorageError::RetryLater(why).into()),
+            },
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// An order whose plan touches a redis-mode resource. Redis holding nothing to sell (cold or
+    /// closed) may mean the resource left redis mode without this process knowing yet: the
+    /// database is asked, and the order takes the database path if so.
+    async fn order_in_redis(&self, redis: &RedisMode, job: OrderJob, now: i64) -> Result<OrderAnswer, Refusal> {
+        let answer = |response| OrderAnswer { response, outcome: None };
+        let tenant = &job.tenant;
+        if let Some(previous) = self.answered(tenant, &job.idempotency).await? {
+            return Ok(answer(previous));
+        }
+        match redis.order(&job, now).await {
+            Ok(response) => Ok(answer(response)),
+            Err(RedisModeError::NotWarmed(_) | RedisModeError::Closed)
+                if !redis.routes_now(self.storage.as_ref(), &job).await? =>
+            {
+                let executed = self.storage.execute_order(job, now).await?;
+                Ok(OrderAnswer { response: executed.response, outcome: executed.outcome })
+            }
+            Err(refused) => self.replayed_or(tenant, &job.idempotency, refused.into()).await.map(answer),
+        }
     }
 
     /// The plan and the outcome the order would have now; applies and records nothing.
@@ -155,8 +189,10 @@ impl Pipeline {
         Ok((plan, outcome))
     }
 
-    /// Restock (+) or write-off (−). A redis-mode resource is adjusted with its sales paused and
-    /// settled, then warmed again whether or not the adjustment applied.
+    /// Restock (+) or write-off (−). The mode is read from the database, not this process's
+    /// view, and the adjustment applies only if the resource is still in it: a redis-mode
+    /// resource is adjusted with its sales closed and settled under a new epoch, then loaded
+    /// again whether or not the adjustment applied (docs/REDIS.md, "Fencing").
     pub async fn adjust(
         &self,
         tenant: &TenantId,
@@ -174,18 +210,33 @@ impl Pipeline {
             return self.replayed_or(tenant, &idempotency, refusal).await;
         }
         // From here the adjustment's key is claimed inside its commit, which replays an answered one.
-        let redis = self.redis.as_deref().filter(|r| r.is_redis(tenant.as_str(), key.as_str()));
-        if let Some(redis) = redis {
-            redis.drain(tenant.as_str(), key.as_str()).await?;
+        for _ in 0..MODE_ATTEMPTS {
+            let current = self.storage.get_resource(tenant, key).await?;
+            let adjusted = match (current.map(|c| c.mode), &self.redis) {
+                (Some(Mode::Redis), Some(redis)) => {
+                    let (redis, storage) = (redis.clone(), self.storage.clone());
+                    let (t, k, idem) = (tenant.clone(), key.clone(), idempotency.clone());
+                    crate::redis_mode::control::detached(async move {
+                        redis.adjust(storage.as_ref(), &t, &idem, &k, delta).await
+                    })
+                    .await?
+                }
+                _ => self.storage.adjust(tenant, &idempotency, key, delta, ModeFence::Db, now_ms()).await?,
+            };
+            match adjusted {
+                Ok(outcome) => return Ok(outcome),
+                Err(AdjustRefusal::ResourceNotFound) => return Err(Refusal::ResourceNotFound),
+                // Its mode moved between the read and the change: decide again.
+                Err(AdjustRefusal::ModeChanged) => continue,
+            }
         }
-        let adjusted = self.storage.adjust(tenant, &idempotency, key, delta, now_ms()).await;
-        if let Some(redis) = redis {
-            redis.warm(self.storage.as_ref(), tenant, key).await?;
-        }
-        match adjusted? {
-            Ok(outcome) => Ok(outcome),
-            Err(AdjustRefusal::ResourceNotFound) => Err(Refusal::ResourceNotFound),
-        }
+        let refusal = match self.redis {
+            Some(_) => RedisModeError::Superseded,
+            // A redis-mode resource on a server without [redis]: only a server with Redis may
+            // change its stock.
+            None => RedisModeError::NotConfigured,
+        };
+        self.replayed_or(tenant, &idempotency, refusal.into()).await
     }
 
     /// Confirms or releases a reservation (made in Redis or on the database path).

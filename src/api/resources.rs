@@ -159,8 +159,8 @@ pub async fn create_resource(
     match state.storage.create_resource(&auth.tenant, &new, now_ms()).await? {
         Some(created) if req.mode == Some(Mode::Redis) => {
             let switched = crate::redis_mode::control::switch_mode(
-                state.redis.as_deref(),
-                state.storage.as_ref(),
+                state.redis.as_ref(),
+                &state.storage,
                 &auth.tenant,
                 &new.key,
                 Mode::Redis,
@@ -241,14 +241,9 @@ pub async fn patch_resource(
         None => state.storage.get_resource(&auth.tenant, &key).await?,
     };
     if let (Some(mode), Some(_)) = (req.mode, &updated) {
-        updated = crate::redis_mode::control::switch_mode(
-            state.redis.as_deref(),
-            state.storage.as_ref(),
-            &auth.tenant,
-            &key,
-            mode,
-        )
-        .await?;
+        updated =
+            crate::redis_mode::control::switch_mode(state.redis.as_ref(), &state.storage, &auth.tenant, &key, mode)
+                .await?;
     }
     if let (Some(_), Some(resource), Some(redis)) = (req.status, &updated, state.redis.as_deref()) {
         redis.after_status(resource, &auth.tenant).await?;

@@ -47,6 +47,9 @@ impl From<RedisModeError> for ApiError {
                 )
             },
             RedisModeError::Closed => ApiError::unavailable("the resource is being warmed or switched; retry shortly"),
+            RedisModeError::Superseded => {
+                ApiError::unavailable("another warm or switch of the resource is under way; retry shortly")
+            }
             RedisModeError::NotConfigured => {
                 ApiError::validation("mode", "\"redis\" needs [redis] to be configured on this server")
             }
@@ -79,7 +82,7 @@ pub async fn warm(
 ) -> Result<Json<RedisDrift>, ApiError> {
     let key = ResourceKey::parse(key).map_err(|e| ApiError::validation("key", e))?;
     let missing = || super::resources::resource_not_found(key.as_str());
-    let Some(redis) = state.redis.as_deref() else {
+    let Some(redis) = state.redis.as_ref() else {
         // Without Redis here, a redis-mode resource cannot be warmed; a db-mode one is refused
         // as such.
         let current = state.storage.get_resource(&auth.tenant, &key).await?.ok_or_else(missing)?;
@@ -88,6 +91,6 @@ pub async fn warm(
             crate::engine::Mode::Redis => RedisModeError::NotConfigured.into(),
         });
     };
-    let drift = redis.warm_resource(state.storage.as_ref(), &auth.tenant, &key).await?;
+    let drift = redis.warm_resource(&state.storage, &auth.tenant, &key).await?;
     drift.map(Json).ok_or_else(missing)
 }

@@ -4,9 +4,11 @@
 use super::buckets;
 use super::port::{Change, Entry, Gate, Move, Port, Row};
 use crate::engine::ResourceKey;
-use crate::engine::{LedgerOp, ResourceState, ResourceStatus, TenantId};
+use crate::engine::{LedgerOp, Mode, ResourceState, ResourceStatus, TenantId};
 use crate::storage::rules::{adjust_refusal, new_request_id, split_evenly};
-use crate::storage::{AdjustRefusal, IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
+use crate::storage::{
+    AdjustRefusal, IdempotencyRequest, Idempotent, ModeFence, NewResource, StorageError, StoredResponse,
+};
 
 /// Creates a resource with its `create` ledger rows (one per bucket when it has several);
 /// `plugin_version` when a plan created it. `None` if the key exists.
@@ -47,6 +49,7 @@ pub async fn adjust<P: Port>(
     idem: &IdempotencyRequest,
     key: &ResourceKey,
     delta: i64,
+    fence: ModeFence,
     now_ms: i64,
 ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError> {
     if let Some(previous) = port.claim_key(tenant, idem, now_ms).await? {
@@ -56,6 +59,16 @@ pub async fn adjust<P: Port>(
         port.forget_key(tenant, idem).await?;
         return Ok(Err(AdjustRefusal::ResourceNotFound));
     };
+    // Read under the row's lock (PostgreSQL's batch locks it first; SQLite has one writer), so
+    // the mode cannot move between this check and the commit.
+    let decided = match fence {
+        ModeFence::Db => state.mode == Mode::Db,
+        ModeFence::Redis { epoch } => state.mode == Mode::Redis && state.mode_epoch == epoch,
+    };
+    if !decided {
+        port.forget_key(tenant, idem).await?;
+        return Ok(Err(AdjustRefusal::ModeChanged));
+    }
     let request_id = new_request_id();
     let response = if state.buckets > 1 {
         match buckets::adjust(port, tenant.as_str(), state, delta, &request_id, now_ms).await? {

@@ -680,7 +680,15 @@ fn other(a: &mut Db, b: &mut Db, op: &Op, tenants: usize, now_ms: &mut i64) -> R
             let request = idempotency(idem, &format!("adjust {resource} {delta}"));
             let adjust = |db: &Db| {
                 db.work(|conn| {
-                    run_now(resources::adjust(&mut SqlitePort::new(conn), &tenant, &request, &resource, delta, now))
+                    run_now(resources::adjust(
+                        &mut SqlitePort::new(conn),
+                        &tenant,
+                        &request,
+                        &resource,
+                        delta,
+                        crate::storage::ModeFence::Db,
+                        now,
+                    ))
                 })
             };
             let (ra, rb) = (adjust(a), adjust(b));

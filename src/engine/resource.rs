@@ -19,6 +19,10 @@ pub struct ResourceState {
     pub total: i64,
     pub buckets: i64,
     pub mode: Mode,
+    /// Redis mode's fencing epoch: raised by every warm, switch and adjustment of a redis-mode
+    /// resource (docs/REDIS.md). Internal: not part of the API.
+    #[serde(skip)]
+    pub mode_epoch: i64,
     pub version: i64,
     #[schema(value_type = String, format = DateTime)]
     pub updated_at: Timestamp,

@@ -6,7 +6,8 @@
 //! recorded as a settlement failure (and acknowledged: it is kept in the database, not lost).
 //! A record that could not be settled at all (database down) stays pending and is reclaimed.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
@@ -14,13 +15,12 @@ use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::engine::{ResourceKey, TenantId};
 use crate::redis_mode::{RedisMode, RedisModeError, GROUP};
 use crate::storage::redis_store::{SettleRecord, Settled};
 use crate::storage::Storage;
 use crate::time::now_ms;
 
-/// How often the list of redis-mode resources is read again from the database.
-const REFRESH_EVERY: Duration = Duration::from_secs(1);
 /// How often each stream is searched for entries of dead consumers.
 const CLAIM_EVERY: Duration = Duration::from_millis(500);
 
@@ -28,14 +28,19 @@ const CLAIM_EVERY: Duration = Duration::from_millis(500);
 pub fn spawn(hot: Arc<RedisMode>, storage: Arc<dyn Storage>, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
     tokio::spawn(async move {
         let poll = Duration::from_millis(hot.settings.settle_poll_ms.max(1));
+        let refresh_every = Duration::from_millis(hot.settings.mode_refresh_ms.max(1));
+        let rewarming: Arc<Mutex<HashSet<(String, String)>>> = Arc::default();
         let mut refreshed: Option<Instant> = None;
         let mut claimed = Instant::now();
         loop {
-            if refreshed.is_none_or(|at| at.elapsed() >= REFRESH_EVERY) {
+            if refreshed.is_none_or(|at| at.elapsed() >= refresh_every) {
                 if let Err(err) = hot.refresh_modes(storage.as_ref()).await {
                     tracing::warn!(error = %err, "listing redis-mode resources failed; will retry");
                 }
                 refreshed = Some(Instant::now());
+                for (tenant, key) in hot.redis_resources() {
+                    rewarm_if_abandoned(&hot, &storage, &rewarming, tenant, key).await;
+                }
             }
             let claim = claimed.elapsed() >= CLAIM_EVERY;
             if claim {
@@ -176,6 +181,42 @@ async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, 
     acked
 }
 
+/// Warms a resource again when the operation that closed it stopped half-way (its process died)
+/// and its lease ran out. In a task of its own: the warm waits for this loop to settle the
+/// resource's backlog.
+async fn rewarm_if_abandoned(
+    hot: &Arc<RedisMode>,
+    storage: &Arc<dyn Storage>,
+    rewarming: &Arc<Mutex<HashSet<(String, String)>>>,
+    tenant: String,
+    key: String,
+) {
+    match hot.abandoned(&tenant, &key).await {
+        Ok(true) => {}
+        Ok(false) => return,
+        Err(err) => {
+            tracing::debug!(error = %err, tenant, key, "checking a redis lease failed");
+            return;
+        }
+    }
+    let (Ok(t), Ok(k)) = (TenantId::parse(tenant.clone()), ResourceKey::parse(key.clone())) else { return };
+    let id = (tenant, key);
+    if !rewarming.lock().map(|mut set| set.insert(id.clone())).unwrap_or(false) {
+        return;
+    }
+    tracing::warn!(tenant = %t, key = %k, "a warm, switch or adjustment left the resource closed; warming it again");
+    metrics::counter!("stockd_redis_lease_recoveries_total").increment(1);
+    let (hot, storage, rewarming) = (hot.clone(), storage.clone(), rewarming.clone());
+    tokio::spawn(async move {
+        if let Err(err) = hot.warm(storage.as_ref(), &t, &k).await {
+            tracing::warn!(error = %err, tenant = %t, key = %k, "warming an abandoned resource failed; will retry");
+        }
+        if let Ok(mut set) = rewarming.lock() {
+            set.remove(&id);
+        }
+    });
+}
+
 /// Most reservations one pass expires per resource.
 const EXPIRE_BATCH: usize = 100;
 
@@ -197,6 +238,8 @@ async fn expire_due(hot: &RedisMode, tenant: &str, key: &str) {
                 metrics::counter!("stockd_reservations_expired_total").increment(1);
             }
             Ok(_) => {}
+            // Being warmed or switched: expired on a later pass (or on the database path).
+            Err(RedisModeError::Closed) => return,
             Err(err) => tracing::warn!(error = %err, tenant, key, "expiring a reservation in redis failed"),
         }
     }

@@ -2,13 +2,15 @@
 //! mirroring its status, pausing it around an adjustment, warming it, routing reservation moves
 //! of reservations made in Redis, and the Redis half of reconciliation.
 
+use std::sync::Arc;
+
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::{RedisDrift, RedisMode, RedisModeError};
 use crate::engine::{Mode, Reconciliation, Reservation, ReservationState, ResourceKey, ResourceState, TenantId};
 use crate::storage::redis_store::SettlementFailure;
-use crate::storage::{Storage, Transition};
+use crate::storage::{AdjustRefusal, IdempotencyRequest, Idempotent, ModeFence, Storage, Transition};
 use crate::time::now_ms;
 
 /// Most settlement failures one reconciliation report lists (newest first).
@@ -38,11 +40,15 @@ pub fn check_mode(redis: Option<&RedisMode>, mode: Option<Mode>) -> Result<(), R
     }
 }
 
-/// Switches a resource's mode: into redis mode it is warmed; out of it, its Redis backlog is
-/// settled first and its Redis keys are deleted. `None`: no such resource.
+/// Switches a resource's mode (docs/REDIS.md, "Fencing"). Into redis mode: the database moves
+/// it to redis mode under a new epoch (the database path stops selling it at that moment), then
+/// Redis is closed under that epoch and loaded. Out of it: a new epoch closes Redis and drains
+/// its backlog, the database leaves redis mode only if still at that epoch, then Redis forgets
+/// it. Runs to its end even if the request that asked for it is cancelled. `None`: no such
+/// resource.
 pub async fn switch_mode(
-    redis: Option<&RedisMode>,
-    storage: &dyn Storage,
+    redis: Option<&Arc<RedisMode>>,
+    storage: &Arc<dyn Storage>,
     tenant: &TenantId,
     key: &ResourceKey,
     mode: Mode,
@@ -53,30 +59,29 @@ pub async fn switch_mode(
             Mode::Redis => Err(RedisModeError::NotConfigured),
         };
     };
-    match mode {
-        Mode::Redis => {
-            match storage.get_resource(tenant, key).await? {
-                None => return Ok(None),
-                Some(current) if current.buckets != 1 => return Err(RedisModeError::Bucketed),
-                Some(_) => {}
-            }
-            let Some(updated) = storage.set_resource_mode(tenant, key, Mode::Redis, now_ms()).await? else {
-                return Ok(None);
-            };
-            hot.mark(tenant.as_str(), key.as_str(), true);
-            hot.warm(storage, tenant, key).await?;
-            Ok(Some(updated))
-        }
-        Mode::Db => {
-            let Some(current) = storage.get_resource(tenant, key).await? else { return Ok(None) };
-            if current.mode == Mode::Redis {
-                hot.drain_and_forget(tenant.as_str(), key.as_str()).await?;
-            }
-            let updated = storage.set_resource_mode(tenant, key, Mode::Db, now_ms()).await?;
-            hot.mark(tenant.as_str(), key.as_str(), false);
-            Ok(updated)
-        }
+    match storage.get_resource(tenant, key).await? {
+        None => return Ok(None),
+        Some(current) if mode == Mode::Redis && current.buckets != 1 => return Err(RedisModeError::Bucketed),
+        Some(_) => {}
     }
+    let (hot, storage2, t, k) = (hot.clone(), storage.clone(), tenant.clone(), key.clone());
+    detached(async move {
+        match mode {
+            Mode::Redis => hot.enter(storage2.as_ref(), &t, &k).await,
+            Mode::Db => hot.leave(storage2.as_ref(), &t, &k).await,
+        }
+    })
+    .await?;
+    Ok(storage.get_resource(tenant, key).await?)
+}
+
+/// Runs a warm, switch or adjustment in a task of its own, so a cancelled request (client
+/// gone, request timeout) never stops it half-way with Redis closed. A process that dies
+/// half-way leaves a lease that runs out instead (see [`crate::jobs::settlement`]).
+pub(crate) async fn detached<T: Send + 'static>(
+    operation: impl std::future::Future<Output = Result<T, RedisModeError>> + Send + 'static,
+) -> Result<T, RedisModeError> {
+    tokio::spawn(operation).await.map_err(|e| RedisModeError::Reply(format!("redis-mode operation stopped: {e}")))?
 }
 
 impl RedisMode {
@@ -89,11 +94,80 @@ impl RedisMode {
         self.set_inactive(tenant.as_str(), &resource.key, inactive).await
     }
 
+    /// Puts a resource into redis mode and loads it.
+    async fn enter(&self, storage: &dyn Storage, tenant: &TenantId, key: &ResourceKey) -> Result<(), RedisModeError> {
+        let Some(epoch) = self.close(storage, tenant, key, true).await? else { return Ok(()) };
+        self.mark(tenant.as_str(), key.as_str(), true);
+        self.load(storage, tenant, key, epoch).await
+    }
+
+    /// Takes a resource out of redis mode once its backlog is settled. Also finishes a switch
+    /// that stopped after the database left redis mode (its Redis keys not yet deleted).
+    async fn leave(&self, storage: &dyn Storage, tenant: &TenantId, key: &ResourceKey) -> Result<(), RedisModeError> {
+        let (t, k) = (tenant.as_str(), key.as_str());
+        let Some(epoch) = self.close(storage, tenant, key, false).await? else {
+            if let Some(current) = storage.get_resource(tenant, key).await? {
+                if current.mode == Mode::Db && current.mode_epoch > 0 {
+                    self.mark(t, k, false);
+                    self.forget(t, k, current.mode_epoch).await?;
+                }
+            }
+            return Ok(());
+        };
+        if !storage.leave_redis(tenant, key, epoch, now_ms()).await? {
+            // A later epoch took over: it loads or leaves the resource itself.
+            return Err(RedisModeError::Superseded);
+        }
+        self.mark(t, k, false);
+        self.forget(t, k, epoch).await
+    }
+
+    /// Loads a redis-mode resource from the database again. False: no such resource, or it is
+    /// not in redis mode.
+    pub async fn warm(
+        &self,
+        storage: &dyn Storage,
+        tenant: &TenantId,
+        key: &ResourceKey,
+    ) -> Result<bool, RedisModeError> {
+        let Some(epoch) = self.close(storage, tenant, key, false).await? else { return Ok(false) };
+        self.mark(tenant.as_str(), key.as_str(), true);
+        self.load(storage, tenant, key, epoch).await?;
+        Ok(true)
+    }
+
+    /// Restock or write-off of a redis-mode resource: its sales closed and settled under a new
+    /// epoch, the database changed only while still at that epoch, then Redis loaded again
+    /// (whether or not the adjustment applied). `ModeChanged`: it is not in redis mode.
+    pub async fn adjust(
+        &self,
+        storage: &dyn Storage,
+        tenant: &TenantId,
+        idem: &IdempotencyRequest,
+        key: &ResourceKey,
+        delta: i64,
+    ) -> Result<Result<Idempotent, AdjustRefusal>, RedisModeError> {
+        let Some(epoch) = self.close(storage, tenant, key, false).await? else {
+            return Ok(Err(AdjustRefusal::ModeChanged));
+        };
+        let adjusted = storage.adjust(tenant, idem, key, delta, ModeFence::Redis { epoch }, now_ms()).await;
+        let loaded = self.load(storage, tenant, key, epoch).await;
+        let adjusted = adjusted?;
+        if let Err(err) = loaded {
+            // The adjustment's outcome stands; sales resume when the lease runs out.
+            tracing::warn!(error = %err, tenant = %tenant, key = %key, "reloading redis after an adjustment failed");
+            if adjusted.is_err() {
+                return Err(err);
+            }
+        }
+        Ok(adjusted)
+    }
+
     /// Warms a redis-mode resource and answers Redis against the database afterwards; `None`:
     /// no such resource.
     pub async fn warm_resource(
-        &self,
-        storage: &dyn Storage,
+        self: &Arc<Self>,
+        storage: &Arc<dyn Storage>,
         tenant: &TenantId,
         key: &ResourceKey,
     ) -> Result<Option<RedisDrift>, RedisModeError> {
@@ -101,8 +175,10 @@ impl RedisMode {
         if current.mode != Mode::Redis {
             return Err(RedisModeError::NotRedis(key.to_string()));
         }
-        self.mark(tenant.as_str(), key.as_str(), true);
-        self.warm(storage, tenant, key).await?;
+        let (hot, storage2, t, k) = (self.clone(), storage.clone(), tenant.clone(), key.clone());
+        if !detached(async move { hot.warm(storage2.as_ref(), &t, &k).await }).await? {
+            return Err(RedisModeError::NotRedis(key.to_string()));
+        }
         let Some(after) = storage.get_resource(tenant, key).await? else { return Ok(None) };
         Ok(Some(self.compare(tenant, &after).await?))
     }
@@ -132,13 +208,32 @@ impl RedisMode {
         to: ReservationState,
     ) -> Result<Option<Transition>, RedisModeError> {
         let Some(key) = self.reservation_home(storage, tenant, id).await? else { return Ok(None) };
-        let moved = self.transition_reservation(tenant.as_str(), &key, id, to.as_str(), now_ms()).await?;
+        let moved = match self.transition_reservation(tenant.as_str(), &key, id, to.as_str(), now_ms()).await {
+            // Closed by a switch that took the resource out of redis mode (and had not yet
+            // deleted its keys): the database holds the reservation now.
+            Err(RedisModeError::Closed) if !self.still_redis(storage, tenant, &key).await? => return Ok(None),
+            moved => moved?,
+        };
         let Some(reservation) = moved else { return Ok(None) };
         let done = match to {
             ReservationState::Confirmed => reservation.state == ReservationState::Confirmed,
             _ => reservation.state != ReservationState::Confirmed,
         };
         Ok(Some(if done { Transition::Done(reservation) } else { Transition::Refused(reservation.state, reservation) }))
+    }
+
+    /// Whether the database still has the resource in redis mode (read now, not from this
+    /// process's view, which it corrects).
+    pub async fn still_redis(
+        &self,
+        storage: &dyn Storage,
+        tenant: &TenantId,
+        key: &str,
+    ) -> Result<bool, RedisModeError> {
+        let Ok(parsed) = ResourceKey::parse(key) else { return Ok(false) };
+        let redis = storage.get_resource(tenant, &parsed).await?.is_some_and(|r| r.mode == Mode::Redis);
+        self.mark(tenant.as_str(), key, redis);
+        Ok(redis)
     }
 
     /// A reservation made in Redis, in its current state; `None`: ask the database.

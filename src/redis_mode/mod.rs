@@ -38,6 +38,8 @@ use crate::storage::{Storage, StorageError};
 pub const GROUP: &str = "settle";
 /// Most redis-mode resources one process tracks (and polls the streams of).
 pub const MAX_RESOURCES: u32 = 10_000;
+/// How long Redis keeps the closed marker of a resource that left redis mode.
+const FORGOTTEN_MARKER_S: u64 = 86_400;
 
 /// Why redis mode could not answer; nothing of the request was applied unless said otherwise.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +72,10 @@ pub enum RedisModeError {
     /// A warm of a resource in db mode.
     #[error("{0} is in db mode")]
     NotRedis(String),
+    /// Another process took a later fencing epoch of the resource while this warm, switch or
+    /// adjustment ran (or the resource left redis mode): this one stopped without opening Redis.
+    #[error("another warm or switch of the resource took over")]
+    Superseded,
 }
 
 /// What Redis answered for one deduction.
@@ -134,6 +140,14 @@ pub struct RedisView {
     pub open: bool,
 }
 
+/// A resource's fencing state in Redis: the epoch it was last closed or loaded under (0: none)
+/// and its unsettled stream entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FenceState {
+    epoch: i64,
+    pending: i64,
+}
+
 /// What a warm announces: loaded with nothing available, after its backlog drained, the
 /// resource is sold out with every sale settled.
 fn stock_mark(available: i64) -> soldout::Mark {
@@ -154,7 +168,9 @@ pub struct RedisMode {
     deduct: Script,
     transition: Script,
     ack: Script,
-    gate: Script,
+    fence: Script,
+    reopen: Script,
+    abandoned: Script,
     load: Script,
     forget: Script,
     /// The redis-mode resources, as last read from the database (and changed by this process).
@@ -187,7 +203,9 @@ impl RedisMode {
             deduct: Script::new(scripts::DEDUCT),
             transition: Script::new(scripts::TRANSITION),
             ack: Script::new(scripts::ACK),
-            gate: Script::new(scripts::GATE),
+            fence: Script::new(scripts::FENCE),
+            reopen: Script::new(scripts::REOPEN),
+            abandoned: Script::new(scripts::ABANDONED),
             load: Script::new(scripts::LOAD),
             forget: Script::new(scripts::FORGET),
             modes: RwLock::new(HashSet::new()),
@@ -376,7 +394,8 @@ impl RedisMode {
 
     /// Moves a reservation held in Redis (see [`scripts::TRANSITION`]). `records`: the
     /// settlement records of a confirm, a release and an expiry. Returns its state now and its
-    /// document, or `None` when Redis does not hold it.
+    /// document, or `None` when Redis does not hold it; `Closed` while a warm or a switch holds
+    /// the resource.
     pub async fn transition(
         &self,
         tenant: &str,
@@ -402,7 +421,11 @@ impl RedisMode {
         let mut conn = self.link.conn().await?;
         let (state, doc): (String, String) =
             invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
-        Ok((state != "unknown").then_some((state, doc)))
+        match state.as_str() {
+            "unknown" => Ok(None),
+            "closed" => Err(RedisModeError::Closed),
+            _ => Ok(Some((state, doc))),
+        }
     }
 
     /// Reservations of the resource past their deadline, at most `limit`.
@@ -433,54 +456,101 @@ impl RedisMode {
         Ok(())
     }
 
-    /// Opens or closes sales; returns whether Redis knows the resource, and its unsettled entries.
-    async fn set_open(&self, tenant: &str, key: &str, open: bool) -> Result<(bool, i64), RedisModeError> {
-        let mut invocation = self.gate.key(self.resource_key(tenant, key));
-        invocation.arg(if open { "1" } else { "0" });
+    /// Closes the resource under `epoch` (see [`scripts::FENCE`]); returns its unsettled entries.
+    async fn fence(&self, tenant: &str, key: &str, epoch: i64) -> Result<i64, RedisModeError> {
+        let mut invocation = self.fence.key(self.resource_key(tenant, key));
+        invocation.arg(epoch).arg(&self.consumer).arg(self.settings.lease_ms());
         let mut conn = self.link.conn().await?;
-        let (exists, backlog): (i64, i64) =
+        let (fenced, pending): (i64, i64) =
             invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
-        Ok((exists == 1, backlog))
+        if fenced != 1 {
+            return Err(RedisModeError::Superseded);
+        }
+        Ok(pending)
     }
 
-    /// Closes the resource for sales until the next warm, once its backlog is settled.
-    pub async fn drain(&self, tenant: &str, key: &str) -> Result<(), RedisModeError> {
-        self.close_and_drain(tenant, key).await.map(|_| ())
+    /// Reopens a resource this process closed under `epoch` and did not change.
+    async fn reopen(&self, tenant: &str, key: &str, epoch: i64) -> Result<(), RedisModeError> {
+        let mut invocation = self.reopen.key(self.resource_key(tenant, key));
+        invocation.arg(epoch);
+        let mut conn = self.link.conn().await?;
+        let _: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
+        Ok(())
     }
 
-    /// Closes the resource and waits until every sale made before is settled. On timeout the
-    /// resource is reopened (if it was open) and the caller hears `DrainTimeout`.
-    async fn close_and_drain(&self, tenant: &str, key: &str) -> Result<bool, RedisModeError> {
-        let (exists, mut pending) = self.set_open(tenant, key, false).await?;
+    /// Whether an operation that closed the resource stopped half-way and its lease ran out
+    /// (see [`scripts::ABANDONED`]).
+    pub async fn abandoned(&self, tenant: &str, key: &str) -> Result<bool, RedisModeError> {
+        let invocation = self.abandoned.key(self.resource_key(tenant, key));
+        let mut conn = self.link.conn().await?;
+        let abandoned: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
+        Ok(abandoned == 1)
+    }
+
+    async fn fence_state(&self, tenant: &str, key: &str) -> Result<FenceState, RedisModeError> {
+        let mut cmd = redis::cmd("HMGET");
+        cmd.arg(self.resource_key(tenant, key)).arg("epoch").arg("pending");
+        let (epoch, pending): (Option<i64>, Option<i64>) = self.link.query(&cmd).await?;
+        Ok(FenceState { epoch: epoch.unwrap_or(0), pending: pending.unwrap_or(0) })
+    }
+
+    /// Waits until every entry of the resource, closed under `epoch`, is settled. On timeout
+    /// the resource is reopened (nothing changed it yet) and the caller hears `DrainTimeout`.
+    async fn drain(&self, tenant: &str, key: &str, epoch: i64, mut pending: i64) -> Result<(), RedisModeError> {
         let deadline = Instant::now() + Duration::from_millis(self.settings.drain_timeout_ms);
-        while exists && pending != 0 {
+        while pending != 0 {
             if Instant::now() >= deadline {
-                self.set_open(tenant, key, true).await?;
+                self.reopen(tenant, key, epoch).await?;
                 return Err(RedisModeError::DrainTimeout(pending));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
-            let view = self.view(tenant, key).await?;
-            pending = view.map(|v| v.pending).unwrap_or(0);
+            let now = self.fence_state(tenant, key).await?;
+            if now.epoch != epoch {
+                return Err(RedisModeError::Superseded);
+            }
+            pending = now.pending;
         }
-        Ok(exists)
+        Ok(())
     }
 
-    /// Loads Redis from the database: closes sales, lets the backlog settle, then sets the
-    /// stock to the database's available and reopens. Announces the stock to every process (a
-    /// sold-out mark is cleared, or set if the stock is zero).
-    pub async fn warm(
+    /// Takes the resource's next epoch in the database (into redis mode first when
+    /// `into_redis`), closes Redis under it and waits until its backlog is settled. `None`: no
+    /// such resource, or (without `into_redis`) it is not in redis mode.
+    pub(crate) async fn close(
         &self,
         storage: &dyn Storage,
         tenant: &TenantId,
         key: &ResourceKey,
+        into_redis: bool,
+    ) -> Result<Option<i64>, RedisModeError> {
+        let Some(epoch) = storage.take_epoch(tenant, key, into_redis, crate::time::now_ms()).await? else {
+            return Ok(None);
+        };
+        let (t, k) = (tenant.as_str(), key.as_str());
+        let pending = self.fence(t, k, epoch).await?;
+        self.drain(t, k, epoch, pending).await?;
+        Ok(Some(epoch))
+    }
+
+    /// Loads Redis from the database under `epoch` and opens it. The database is read after
+    /// Redis was closed under `epoch` and must still be in redis mode at `epoch`: whoever moved
+    /// it on since closed Redis under a later epoch first, so this load is refused or their
+    /// close follows it. Announces the stock to every process (a sold-out mark is cleared, or
+    /// set if the stock is zero).
+    pub(crate) async fn load(
+        &self,
+        storage: &dyn Storage,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        epoch: i64,
     ) -> Result<(), RedisModeError> {
         let (t, k) = (tenant.as_str(), key.as_str());
-        self.close_and_drain(t, k).await?;
         let deadline = Instant::now() + Duration::from_millis(self.settings.drain_timeout_ms);
         loop {
-            // Read after the drain: nothing settles between this read and the load (the
-            // resource is closed and its backlog is zero, which the script checks again).
             let Some(state) = storage.get_resource(tenant, key).await? else { return Ok(()) };
+            if state.mode != crate::engine::Mode::Redis || state.mode_epoch != epoch {
+                return Err(RedisModeError::Superseded);
+            }
             let inactive = state.status != crate::engine::ResourceStatus::Active;
             let mut invocation = self.load.key(self.resource_key(t, k));
             invocation
@@ -490,36 +560,38 @@ impl RedisMode {
                 .arg(GROUP)
                 .arg(self.channel())
                 .arg(soldout::message(stock_mark(state.available), t, k))
-                .arg(state.reserved);
+                .arg(state.reserved)
+                .arg(epoch);
             let mut conn = self.link.conn().await?;
             let (loaded, backlog): (i64, i64) =
                 invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
-            if loaded == 1 {
-                self.sold_out.mark(t, k, stock_mark(state.available));
-                return Ok(());
+            match loaded {
+                1 => {
+                    self.sold_out.mark(t, k, stock_mark(state.available));
+                    return Ok(());
+                }
+                -1 => return Err(RedisModeError::Superseded),
+                // Still closed: its lease runs out and the settlement loop warms it again.
+                _ if Instant::now() >= deadline => return Err(RedisModeError::DrainTimeout(backlog)),
+                _ => tokio::time::sleep(Duration::from_millis(10)).await,
             }
-            if Instant::now() >= deadline {
-                self.set_open(t, k, true).await?;
-                return Err(RedisModeError::DrainTimeout(backlog));
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
-    /// Takes a resource out of Redis before it leaves redis mode: closes it, waits for its
-    /// backlog to settle, and deletes its keys.
-    pub async fn drain_and_forget(&self, tenant: &str, key: &str) -> Result<(), RedisModeError> {
-        self.close_and_drain(tenant, key).await?;
+    /// Deletes a resource's Redis keys once it left redis mode at `epoch` (see
+    /// [`scripts::FORGET`]). A later epoch holding it is left alone.
+    pub(crate) async fn forget(&self, tenant: &str, key: &str, epoch: i64) -> Result<(), RedisModeError> {
         let mut invocation = self.forget.key(self.resource_key(tenant, key));
         invocation
             .key(self.stream_key(tenant, key))
             .key(self.limits_key(tenant, key))
             .key(self.reservations_key(tenant, key))
-            .key(self.deadlines_key(tenant, key));
+            .key(self.deadlines_key(tenant, key))
+            .arg(epoch)
+            .arg(FORGOTTEN_MARKER_S);
         let mut conn = self.link.conn().await?;
         let left: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
-        if left != 0 {
-            self.set_open(tenant, key, true).await?;
+        if left > 0 {
             return Err(RedisModeError::DrainTimeout(left));
         }
         self.sold_out.mark(tenant, key, soldout::Mark::InStock);

@@ -8,7 +8,7 @@ use crate::engine::{
 };
 use crate::storage::redis_store::SettleRecord;
 use crate::storage::rules::new_request_id;
-use crate::storage::{ContentType, Idempotent, OrderJob, StoredResponse};
+use crate::storage::{ContentType, Idempotent, OrderJob, Storage, StoredResponse};
 use crate::time::Timestamp;
 
 /// How long past its deadline Redis remembers which resource a reservation belongs to.
@@ -22,6 +22,17 @@ impl RedisMode {
     /// Whether this order goes to Redis: its plan touches a redis-mode resource.
     pub fn routes(&self, job: &OrderJob) -> bool {
         job.plan.resources().any(|r| self.is_redis(job.tenant.as_str(), r.as_str()))
+    }
+
+    /// Whether this order goes to Redis, asking the database rather than this process's view
+    /// (and correcting the view): after Redis had nothing to sell, or the database path found a
+    /// resource in redis mode.
+    pub async fn routes_now(&self, storage: &dyn Storage, job: &OrderJob) -> Result<bool, RedisModeError> {
+        let mut redis = false;
+        for resource in job.plan.resources() {
+            redis |= self.still_redis(storage, &job.tenant, resource.as_str()).await?;
+        }
+        Ok(redis)
     }
 
     /// Decides an order whose plan touches a redis-mode resource (see [`RedisMode::routes`]).

@@ -76,14 +76,16 @@ return {outcome, code, body, avail}
 /// ARGV[4..6] the settlement record of a confirm, a release, an expiry; ARGV[7] the channel;
 /// ARGV[8] the message announcing stock again.
 ///
-/// Returns `{state, document}`: the state it is in now (`unknown` if Redis does not hold it)
-/// and its document (as reserved; the caller sets the state).
+/// Returns `{state, document}`: the state it is in now (`unknown` if Redis does not hold it,
+/// `closed` while a warm or a switch holds the resource: nothing may join a stream being
+/// drained) and its document (as reserved; the caller sets the state).
 pub const TRANSITION: &str = r#"
 local id = ARGV[1]
 local st = redis.call('HGET', KEYS[4], id .. ':s')
 if not st then return {'unknown', ''} end
 local doc = redis.call('HGET', KEYS[4], id)
 if st ~= 'held' then return {st, doc} end
+if redis.call('HGET', KEYS[1], 'open') ~= '1' then return {'closed', ''} end
 local to = ARGV[2]
 local deadline = tonumber(redis.call('HGET', KEYS[4], id .. ':e'))
 if to == 'confirmed' and deadline <= tonumber(ARGV[3]) then to = 'expired' end
@@ -133,41 +135,87 @@ end
 return 0
 "#;
 
-/// Opens or closes the resource for sales. Returns the entries still to settle.
+/// Closes the resource for sales under a new fencing epoch (docs/REDIS.md, "Fencing"): the
+/// first step of every warm, switch and adjustment, taken right after the database gave this
+/// process the epoch. Refused when Redis already holds a later epoch (another process took over).
+/// The close is a lease: past `lease`, the settlement loop warms the resource again.
 ///
-/// KEYS[1] the resource hash. ARGV[1] "1" open, "0" closed. Returns `{exists, pending}`.
-pub const GATE: &str = r#"
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
-redis.call('HSET', KEYS[1], 'open', ARGV[1])
+/// KEYS[1] the resource hash. ARGV[1] epoch; ARGV[2] owner (a process's name); ARGV[3] lease
+/// (ms). Returns `{1, pending}` once closed, `{0, epoch held}` when refused.
+pub const FENCE: &str = r#"
+local held = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
+if held > tonumber(ARGV[1]) then return {0, held} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'open', '0', 'owner', ARGV[2], 'lease', now + tonumber(ARGV[3]))
+redis.call('PERSIST', KEYS[1])
 return {1, tonumber(redis.call('HGET', KEYS[1], 'pending') or '0')}
 "#;
 
-/// Loads the resource from the database once its backlog is settled, and opens it.
+/// Reopens a resource closed under `epoch` that nothing changed meanwhile (a drain that timed
+/// out before the database was touched); refused once another epoch took over.
+///
+/// KEYS[1] the resource hash. ARGV[1] epoch. Returns 1 if reopened.
+pub const REOPEN: &str = r#"
+local st = redis.call('HMGET', KEYS[1], 'epoch', 'avail')
+if st[1] ~= ARGV[1] or not st[2] then return 0 end
+redis.call('HSET', KEYS[1], 'open', '1')
+redis.call('HDEL', KEYS[1], 'owner', 'lease')
+return 1
+"#;
+
+/// Whether a resource was left closed by an operation that stopped half-way: closed, holding
+/// stock, and its lease ran out (or it has none). The settlement loop then warms it again.
+///
+/// KEYS[1] the resource hash. Returns 1 when abandoned.
+pub const ABANDONED: &str = r#"
+local st = redis.call('HMGET', KEYS[1], 'open', 'lease', 'avail')
+if st[1] == '1' or not st[3] then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if st[2] and tonumber(st[2]) > now then return 0 end
+return 1
+"#;
+
+/// Loads the resource from the database once its backlog is settled, and opens it; only under
+/// the epoch that closed it, which the caller read back from the database together with the
+/// stock (so the database was still in redis mode at that epoch after Redis was closed).
 ///
 /// KEYS[1] the resource hash; KEYS[2] the stream. ARGV[1] database available; ARGV[2] "1" if
 /// inactive; ARGV[3] group; ARGV[4] the channel; ARGV[5] the message announcing the new stock;
-/// ARGV[6] database reserved. Held reservations stay as they are: the database's reserved
-/// counts exactly them once everything is settled.
-/// Returns `{1, 0}` when loaded, `{0, pending}` when something is still unsettled (a sale that
-/// slipped in before the close, or a warm racing another): the caller waits and tries again.
+/// ARGV[6] database reserved; ARGV[7] epoch. Held reservations stay as they are: the
+/// database's reserved counts exactly them once everything is settled.
+/// Returns `{1, 0}` when loaded, `{0, pending}` when something is still unsettled (the caller
+/// waits and tries again), `{-1, 0}` when another epoch took over.
 pub const LOAD: &str = r#"
-local pending = tonumber(redis.call('HGET', KEYS[1], 'pending') or '0')
+local st = redis.call('HMGET', KEYS[1], 'epoch', 'pending')
+if st[1] ~= ARGV[7] then return {-1, 0} end
+local pending = tonumber(st[2] or '0')
 if pending ~= 0 then return {0, pending} end
 redis.call('HSET', KEYS[1], 'avail', ARGV[1], 'reserved', ARGV[6], 'backlog', 0, 'pending', 0, 'open', '1',
   'inactive', ARGV[2])
+redis.call('HDEL', KEYS[1], 'owner', 'lease')
 local ok, err = pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], ARGV[3], '0', 'MKSTREAM')
 redis.call('PUBLISH', ARGV[4], ARGV[5])
 return {1, 0}
 "#;
 
-/// Forgets a resource that left redis mode (drained first), so a process that has not yet
-/// seen the switch finds it cold and refuses rather than selling from stale stock.
+/// Forgets a resource that left redis mode at `epoch` (drained first): deletes its stock,
+/// stream, counters and reservations, and leaves a closed marker holding the epoch for
+/// `ARGV[2]` seconds, so a process with a stale view finds nothing to sell and cannot fence
+/// under an older epoch.
 ///
 /// KEYS[1] the resource hash; KEYS[2] the stream; KEYS[3] the limit counters; KEYS[4] the
-/// reservations; KEYS[5] the deadlines. Held reservations continue on the database path.
+/// reservations; KEYS[5] the deadlines. ARGV[1] epoch; ARGV[2] the marker's life (s). Held
+/// reservations continue on the database path. Returns 0 when forgotten, the entries still
+/// unsettled otherwise, or -1 when another epoch holds the resource.
 pub const FORGET: &str = r#"
-local pending = tonumber(redis.call('HGET', KEYS[1], 'pending') or '0')
+local st = redis.call('HMGET', KEYS[1], 'epoch', 'pending')
+if st[1] ~= ARGV[1] then return -1 end
+local pending = tonumber(st[2] or '0')
 if pending ~= 0 then return pending end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'open', '0')
+redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 0
 "#;

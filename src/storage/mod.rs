@@ -155,6 +155,20 @@ pub enum Idempotent {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AdjustRefusal {
     ResourceNotFound,
+    /// The resource is no longer in the mode (or redis-mode epoch) the adjustment was decided
+    /// under: nothing applied; decide again.
+    ModeChanged,
+}
+
+/// The mode an adjustment was decided under; it applies only while the resource is still in
+/// it, read under the same lock as the change (docs/REDIS.md, "Fencing").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModeFence {
+    Db,
+    /// Redis mode at this epoch: taken, with Redis closed under it, by the adjusting process.
+    Redis {
+        epoch: i64,
+    },
 }
 
 /// The outcome of a reservation transition (confirm or release).
@@ -280,6 +294,7 @@ pub trait Storage: redis_store::RedisStore + Send + Sync + 'static {
         idem: &IdempotencyRequest,
         key: &ResourceKey,
         delta: i64,
+        fence: ModeFence,
         now_ms: i64,
     ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError>;
     /// A page of a resource's ledger; `None` when the resource does not exist.

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::StorageError;
-use crate::engine::{LedgerOp, Mode, ReservationState, ResourceKey, ResourceState, TenantId};
+use crate::engine::{LedgerOp, ReservationState, ResourceKey, TenantId};
 
 /// One success Redis acknowledged, as its Lua script appended it to the resource's stream.
 /// Field names are short: one record per sale crosses Redis twice.
@@ -75,6 +75,17 @@ pub fn move_target(op: &str) -> Option<(ReservationState, LedgerOp)> {
 pub(crate) const FAILURES_SQL: &str = "SELECT resource_key, request_id, order_id, idempotency_key, qty, reason,
         available, at
     FROM settlement_failures WHERE tenant_id = $1 ORDER BY at DESC, request_id LIMIT $2";
+/// Takes the next epoch (both backends; `$n` binds on both): $1 into redis mode, $2 now, $3
+/// tenant, $4 key. `updated_at` moves only with the mode.
+pub(crate) const TAKE_EPOCH_SQL: &str = "UPDATE resources
+    SET mode_epoch = mode_epoch + 1,
+        updated_at = CASE WHEN mode = 'redis' THEN updated_at ELSE $2 END,
+        mode = 'redis'
+    WHERE tenant_id = $3 AND key = $4 AND (mode = 'redis' OR $1)
+    RETURNING mode_epoch";
+/// Leaves redis mode at an epoch (both backends): $1 epoch, $2 now, $3 tenant, $4 key.
+pub(crate) const LEAVE_REDIS_SQL: &str = "UPDATE resources SET mode = 'db', updated_at = $2
+    WHERE tenant_id = $3 AND key = $4 AND mode = 'redis' AND mode_epoch = $1";
 /// Every redis-mode resource (both backends).
 pub(crate) const REDIS_RESOURCES_SQL: &str = "SELECT tenant_id, key FROM resources WHERE mode = 'redis' LIMIT $1";
 /// An idempotency key's finished record (both backends). Only finished: one still claimed by an
@@ -121,14 +132,26 @@ pub struct SettlementFailure {
 pub trait RedisStore: Send + Sync {
     /// Applies one record, exactly once whatever the number of deliveries.
     async fn settle(&self, record: &SettleRecord, now_ms: i64) -> Result<Settled, StorageError>;
-    /// Sets a resource's mode; `None` when there is no such resource.
-    async fn set_resource_mode(
+    /// Takes the next fencing epoch of a resource in redis mode, putting it into redis mode
+    /// first when `into_redis`. `None`: no such resource, or (without `into_redis`) it is not in
+    /// redis mode. Every warm, switch and adjustment of a redis-mode resource starts here.
+    async fn take_epoch(
         &self,
         tenant: &TenantId,
         key: &ResourceKey,
-        mode: Mode,
+        into_redis: bool,
         now_ms: i64,
-    ) -> Result<Option<ResourceState>, StorageError>;
+    ) -> Result<Option<i64>, StorageError>;
+    /// Puts a resource back into db mode, only while it is still in redis mode at `epoch` (its
+    /// Redis stock closed and settled under that epoch). False: another process took a later
+    /// epoch meanwhile, or it left redis mode already.
+    async fn leave_redis(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        epoch: i64,
+        now_ms: i64,
+    ) -> Result<bool, StorageError>;
     /// Every resource in redis mode (all tenants), at most `limit`.
     async fn redis_resources(&self, limit: u32) -> Result<Vec<(TenantId, ResourceKey)>, StorageError>;
     /// The tenant's settlement failures, newest first, at most `limit`.

@@ -338,11 +338,18 @@ async fn switching_modes_warms_and_drains_redis() {
     assert_counts(&back, 10, 0, 5, 15);
     let mut redis = redis_conn(&shared_redis_url()).await;
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}:{{shop:sku-1}}:[rxl]"))
+        .arg(format!("{prefix}:{{shop:sku-1}}:[xlve]"))
         .query_async(&mut redis)
         .await
         .expect("KEYS works");
-    assert!(keys.is_empty(), "a resource out of redis mode leaves no stock in Redis: {keys:?}");
+    assert!(keys.is_empty(), "a resource out of redis mode leaves no stream, counters or reservations: {keys:?}");
+    // Only a closed marker holding the fencing epoch stays (for a day), with nothing to sell.
+    let marker: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(format!("{prefix}:{{shop:sku-1}}:r"))
+        .query_async(&mut redis)
+        .await
+        .expect("HGETALL works");
+    assert!(!marker.contains_key("avail") && marker.get("open").map(String::as_str) == Some("0"), "{marker:?}");
     shop.order("d2", &deduct_one("d2", "sku-1", 1, None)).await.expect_json(201);
     assert_counts(&shop.state("sku-1").await, 9, 0, 6, 15);
     shop.assert_ledger_replays_to_state("sku-1").await;

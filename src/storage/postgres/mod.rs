@@ -28,8 +28,8 @@ use self::port::PgPort;
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::{
-    AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
-    OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
+    AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
+    OrderExecution, OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
 };
 use crate::apply::port::Port;
 use crate::apply::{buckets, reads, reservations, resources};
@@ -313,6 +313,7 @@ impl Storage for PgStorage {
         idem: &IdempotencyRequest,
         key: &ResourceKey,
         delta: i64,
+        fence: ModeFence,
         now_ms: i64,
     ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError> {
         let locks = vec![(tenant.to_string(), key.to_string())];
@@ -321,9 +322,9 @@ impl Storage for PgStorage {
             locks,
             work(move |conn| {
                 let (tenant, idem, key) = (tenant.clone(), idem.clone(), key.clone());
-                Box::pin(
-                    async move { resources::adjust(&mut PgPort::new(conn), &tenant, &idem, &key, delta, now_ms).await },
-                )
+                Box::pin(async move {
+                    resources::adjust(&mut PgPort::new(conn), &tenant, &idem, &key, delta, fence, now_ms).await
+                })
             }),
         )
         .await

@@ -9,9 +9,10 @@ use async_trait::async_trait;
 use super::batcher::work;
 use super::port::PgPort;
 use super::{acquire, PgStorage};
-use crate::engine::{Mode, ResourceKey, ResourceState, TenantId};
+use crate::engine::{ResourceKey, TenantId};
 use crate::storage::redis_store::{
-    parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, REDIS_RESOURCES_SQL,
+    parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, LEAVE_REDIS_SQL,
+    REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
 };
 use crate::storage::rows::{self, Columns};
 use crate::storage::StorageError;
@@ -31,38 +32,57 @@ impl RedisStore for PgStorage {
         .await
     }
 
-    async fn set_resource_mode(
+    async fn take_epoch(
         &self,
         tenant: &TenantId,
         key: &ResourceKey,
-        mode: Mode,
+        into_redis: bool,
         now_ms: i64,
-    ) -> Result<Option<ResourceState>, StorageError> {
+    ) -> Result<Option<i64>, StorageError> {
         let (t, k) = (tenant.clone(), key.clone());
-        let updated = self
-            .submit(
-                vec![(t.to_string(), k.to_string())],
-                work(move |conn| {
-                    let (t, k) = (t.clone(), k.clone());
-                    Box::pin(async move {
-                        let done = sqlx::query(
-                            "UPDATE resources SET mode = $1, updated_at = $2 WHERE tenant_id = $3 AND key = $4",
-                        )
-                        .bind(mode.as_str())
+        self.submit(
+            vec![(t.to_string(), k.to_string())],
+            work(move |conn| {
+                let (t, k) = (t.clone(), k.clone());
+                Box::pin(async move {
+                    Ok(sqlx::query_scalar::<_, i64>(TAKE_EPOCH_SQL)
+                        .bind(into_redis)
+                        .bind(now_ms)
+                        .bind(t.as_str())
+                        .bind(k.as_str())
+                        .fetch_optional(&mut *conn)
+                        .await?)
+                })
+            }),
+        )
+        .await
+    }
+
+    async fn leave_redis(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        epoch: i64,
+        now_ms: i64,
+    ) -> Result<bool, StorageError> {
+        let (t, k) = (tenant.clone(), key.clone());
+        self.submit(
+            vec![(t.to_string(), k.to_string())],
+            work(move |conn| {
+                let (t, k) = (t.clone(), k.clone());
+                Box::pin(async move {
+                    let done = sqlx::query(LEAVE_REDIS_SQL)
+                        .bind(epoch)
                         .bind(now_ms)
                         .bind(t.as_str())
                         .bind(k.as_str())
                         .execute(&mut *conn)
                         .await?;
-                        Ok(done.rows_affected())
-                    })
-                }),
-            )
-            .await?;
-        if updated == 0 {
-            return Ok(None);
-        }
-        crate::storage::Storage::get_resource(self, tenant, key).await
+                    Ok(done.rows_affected() == 1)
+                })
+            }),
+        )
+        .await
     }
 
     async fn redis_resources(&self, limit: u32) -> Result<Vec<(TenantId, ResourceKey)>, StorageError> {

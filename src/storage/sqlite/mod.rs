@@ -22,8 +22,8 @@ use self::readers::Readers;
 use self::writer::{Writer, WriterLimits};
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::{
-    AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, NewApiKey, NewResource, OrderExecution,
-    OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
+    AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
+    OrderExecution, OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
 };
 use crate::apply::port::run_now;
 use crate::apply::{buckets, reads, reservations, resources};
@@ -301,12 +301,13 @@ impl Storage for SqliteStorage {
         idem: &IdempotencyRequest,
         key: &ResourceKey,
         delta: i64,
+        fence: ModeFence,
         now_ms: i64,
     ) -> Result<Result<Idempotent, AdjustRefusal>, StorageError> {
         let (tenant, idem, key) = (tenant.clone(), idem.clone(), key.clone());
         self.writer()?
             .submit(move |conn| {
-                run_now(resources::adjust(&mut SqlitePort::new(conn), &tenant, &idem, &key, delta, now_ms))
+                run_now(resources::adjust(&mut SqlitePort::new(conn), &tenant, &idem, &key, delta, fence, now_ms))
             })
             .await
     }

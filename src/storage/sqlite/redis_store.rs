@@ -4,14 +4,15 @@
 use super::port::{all, SqlitePort};
 use super::SqliteStorage;
 use crate::apply::port::run_now;
-use crate::engine::{Mode, ResourceKey, ResourceState, TenantId};
+use crate::engine::{ResourceKey, TenantId};
 use crate::storage::redis_store::{
-    parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, REDIS_RESOURCES_SQL,
+    parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, LEAVE_REDIS_SQL,
+    REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
 };
 use crate::storage::rows;
 use crate::storage::StorageError;
 use async_trait::async_trait;
-use rusqlite::params;
+use rusqlite::{params, OptionalExtension};
 
 #[async_trait]
 impl RedisStore for SqliteStorage {
@@ -22,28 +23,39 @@ impl RedisStore for SqliteStorage {
             .await
     }
 
-    async fn set_resource_mode(
+    async fn take_epoch(
         &self,
         tenant: &TenantId,
         key: &ResourceKey,
-        mode: Mode,
+        into_redis: bool,
         now_ms: i64,
-    ) -> Result<Option<ResourceState>, StorageError> {
+    ) -> Result<Option<i64>, StorageError> {
         let (t, k) = (tenant.clone(), key.clone());
-        let updated = self
-            .writer()?
+        self.writer()?
             .submit(move |conn| {
+                let sql = TAKE_EPOCH_SQL.replace('$', "?");
                 Ok(conn
-                    .prepare_cached(
-                        "UPDATE resources SET mode = ?1, updated_at = ?2 WHERE tenant_id = ?3 AND key = ?4",
-                    )?
-                    .execute(params![mode.as_str(), now_ms, t.as_str(), k.as_str()])?)
+                    .prepare_cached(&sql)?
+                    .query_row(params![into_redis, now_ms, t.as_str(), k.as_str()], |row| row.get::<_, i64>(0))
+                    .optional()?)
             })
-            .await?;
-        if updated == 0 {
-            return Ok(None);
-        }
-        crate::storage::Storage::get_resource(self, tenant, key).await
+            .await
+    }
+
+    async fn leave_redis(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        epoch: i64,
+        now_ms: i64,
+    ) -> Result<bool, StorageError> {
+        let (t, k) = (tenant.clone(), key.clone());
+        self.writer()?
+            .submit(move |conn| {
+                let sql = LEAVE_REDIS_SQL.replace('$', "?");
+                Ok(conn.prepare_cached(&sql)?.execute(params![epoch, now_ms, t.as_str(), k.as_str()])? == 1)
+            })
+            .await
     }
 
     async fn redis_resources(&self, limit: u32) -> Result<Vec<(TenantId, ResourceKey)>, StorageError> {

@@ -1,0 +1,191 @@
+//! Redis mode where paths meet (docs/REDIS.md, "Fencing"): processes with a stale view of a
+//! resource's mode, a warm or adjustment whose request is cancelled half-way, and a process that
+//! dies with a resource closed. Each test drives real processes over HTTP and looks into Redis.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use futures::future::join_all;
+use serde_json::{json, Value};
+
+use crate::helpers::{assert_counts, AppOptions, TenantClient, TestApp};
+use crate::redis_support::{
+    create_redis_resource, deduct_one, reconciliation, redis_app, redis_conn, redis_entry, shared_redis_url,
+    wait_settled, TableHold,
+};
+
+/// A sibling of `app` on the same database and Redis prefix that reads which resources are in
+/// redis mode once, at start: a process whose view of modes stays stale for the whole test.
+async fn stale_sibling(app: &TestApp, prefix: &str, extra_toml: &str) -> TestApp {
+    let opts = AppOptions::default()
+        .env("STOCKD_REDIS_PREFIX", prefix)
+        .env("STOCKD_REDIS_URL", &shared_redis_url())
+        .toml(&format!("[redis]\nclaim_idle_ms = 500\nmode_refresh_ms = 3600000\n{extra_toml}"));
+    app.spawn_sibling_with(opts).await
+}
+
+/// The fields of a resource's Redis hash.
+async fn redis_hash(prefix: &str, key: &str) -> HashMap<String, String> {
+    let mut redis = redis_conn(&shared_redis_url()).await;
+    redis::cmd("HGETALL")
+        .arg(format!("{prefix}:{{shop:{key}}}:r"))
+        .query_async(&mut redis)
+        .await
+        .expect("HGETALL works")
+}
+
+/// Sends `n` one-piece orders named `<tag><i>` at once and returns each status and body.
+async fn burst(shop: &TenantClient, tag: &str, key: &str, n: usize) -> Vec<(u16, Value)> {
+    let replies = join_all((0..n).map(|i| {
+        let id = format!("{tag}{i}");
+        async move {
+            let reply = shop.order(&id, &deduct_one(&id, key, 1, None)).await;
+            (reply.status(), reply.json())
+        }
+    }))
+    .await;
+    replies
+}
+
+/// Right after a switch to db mode through A, B (still seeing redis mode) restocks and sells.
+/// B's restock must not put stock back into Redis, and nothing B sells may bypass the
+/// database: every 201 is in the ledger, none is a settlement failure, and no more is sold than
+/// exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_process_neither_restocks_redis_nor_sells_from_it_after_a_switch_to_db() {
+    let (app_a, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop_a = app_a.create_tenant("shop").await;
+    create_redis_resource(&shop_a, "sku-1", 100).await;
+    let app_b = stale_sibling(&app_a, &prefix, "").await;
+    let shop_b = app_b.tenant_with_key("shop", &shop_a.api_key);
+    shop_b.order("warmup", &deduct_one("warmup", "sku-1", 1, None)).await.expect_json(201);
+    wait_settled(&shop_a, "sku-1", 1).await;
+
+    let back = shop_a.patch("/v1/resources/sku-1", &json!({"mode": "db"})).await.expect_json(200);
+    assert_eq!(back["mode"], "db", "{back}");
+    let restocked = shop_b.adjust("sku-1", "restock-1", 10).await.expect_json(200);
+    assert_counts(&restocked, 109, 0, 1, 110);
+    let hash = redis_hash(&prefix, "sku-1").await;
+    assert!(!hash.contains_key("avail"), "a db-mode resource has no stock in Redis after B's restock: {hash:?}");
+
+    let (from_a, from_b) = tokio::join!(burst(&shop_a, "a", "sku-1", 60), burst(&shop_b, "b", "sku-1", 60));
+    let mut sold = 0;
+    for (status, body) in from_a.iter().chain(&from_b) {
+        match status {
+            201 => sold += 1,
+            409 => assert_eq!(body["lines"][0]["reason"], "insufficient", "{body}"),
+            _ => panic!("an order answered {status}: {body}"),
+        }
+    }
+    assert_eq!(sold, 109, "exactly the 109 pieces in stock are sold, through either process");
+    let state = shop_a.state("sku-1").await;
+    assert_counts(&state, 0, 0, 110, 110);
+    shop_a.assert_ledger_replays_to_state("sku-1").await;
+    let report = reconciliation(&shop_a).await;
+    assert_eq!(report["settlement_failures"], json!([]), "{report}");
+    assert_eq!(report["drift"], json!([]), "{report}");
+    let hash = redis_hash(&prefix, "sku-1").await;
+    assert!(!hash.contains_key("avail"), "Redis never sold sku-1 again: {hash:?}");
+}
+
+/// A process that has not yet seen a switch into redis mode sends the order to Redis at once
+/// (the database copy refuses it), rather than answering 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_process_sends_an_order_of_a_resource_that_entered_redis_mode_to_redis() {
+    let (app_a, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop_a = app_a.create_tenant("shop").await;
+    shop_a.create_resource("sku-1", 5).await;
+    let app_b = stale_sibling(&app_a, &prefix, "").await;
+    let shop_b = app_b.tenant_with_key("shop", &shop_a.api_key);
+    shop_a.patch("/v1/resources/sku-1", &json!({"mode": "redis"})).await.expect_json(200);
+
+    let doc = shop_b.order("b1", &deduct_one("b1", "sku-1", 2, None)).await.expect_json(201);
+    assert_eq!(doc["status"], "succeeded", "{doc}");
+    assert_eq!(redis_hash(&prefix, "sku-1").await.get("avail").map(String::as_str), Some("3"));
+    wait_settled(&shop_a, "sku-1", 2).await;
+    shop_a.assert_ledger_replays_to_state("sku-1").await;
+}
+
+/// An adjustment of a redis-mode resource held up by a database lock until its request timed
+/// out: sales go on meanwhile, and once the lock is gone the adjustment completes and Redis is
+/// open with the adjusted stock; a cancelled request never leaves the resource closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adjustment_whose_request_timed_out_completes_and_leaves_redis_open() {
+    let (app, prefix) = redis_app(
+        &shared_redis_url(),
+        "[server]\nrequest_timeout_ms = 1500\n[plugins]\ncompile_timeout_ms = 1000\nplan_timeout_ms = 500\n",
+    )
+    .await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 10).await;
+    shop.order("o1", &deduct_one("o1", "sku-1", 1, None)).await.expect_json(201);
+    wait_settled(&shop, "sku-1", 1).await;
+
+    let hold = TableHold::take(app.database_url()).await;
+    let timed_out = shop.adjust("sku-1", "restock-1", 5).await;
+    assert_eq!(timed_out.status(), 503, "{}", timed_out.text);
+    // Sold by Redis while the database is held (settled once it is free).
+    shop.order("o2", &deduct_one("o2", "sku-1", 1, None)).await.expect_json(201);
+    hold.release().await;
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let state = shop.state("sku-1").await;
+        let hash = redis_hash(&prefix, "sku-1").await;
+        let open = hash.get("open").map(String::as_str) == Some("1");
+        if state["total"] == 15 && open && state["consumed"] == 2 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not adjusted and open: {state} {hash:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let report = wait_settled(&shop, "sku-1", 2).await;
+    let entry = redis_entry(&report, "sku-1");
+    assert_eq!((entry["redis_available"].clone(), entry["drift"].clone()), (json!(13), json!(0)), "{report}");
+    let replayed = shop.adjust("sku-1", "restock-1", 5).await.expect_json(200);
+    assert_eq!(replayed["total"], 15, "the retry replays the adjustment: {replayed}");
+    shop.order("o3", &deduct_one("o3", "sku-1", 1, None)).await.expect_json(201);
+}
+
+/// A process that died while it held a resource closed (what `kill -9` in the middle of a warm
+/// leaves: closed, with a lease) does not keep it closed: once the lease runs out, the
+/// settlement loop warms it again and sales resume with the database's stock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resource_left_closed_by_a_dead_process_reopens_when_its_lease_runs_out() {
+    let (app, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 10).await;
+    shop.order("o1", &deduct_one("o1", "sku-1", 1, None)).await.expect_json(201);
+    wait_settled(&shop, "sku-1", 1).await;
+
+    // What a process killed between closing and loading leaves behind: closed, owned by a
+    // process that is gone, its lease about to run out.
+    let mut redis = redis_conn(&shared_redis_url()).await;
+    let (secs, _micros): (i64, i64) = redis::cmd("TIME").query_async(&mut redis).await.expect("TIME");
+    let _: i64 = redis::cmd("HSET")
+        .arg(format!("{prefix}:{{shop:sku-1}}:r"))
+        .arg("open")
+        .arg("0")
+        .arg("owner")
+        .arg("stockd-dead")
+        .arg("lease")
+        .arg(secs * 1000 + 1000)
+        .query_async(&mut redis)
+        .await
+        .expect("HSET");
+    let closed = shop.order("o2", &deduct_one("o2", "sku-1", 1, None)).await;
+    assert_eq!(closed.status(), 503, "closed while the lease runs: {}", closed.text);
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let reply = loop {
+        let reply = shop.order("o2", &deduct_one("o2", "sku-1", 1, None)).await;
+        if reply.status() != 503 {
+            break reply;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "still closed: {}", reply.text);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    reply.expect_json(201);
+    let report = wait_settled(&shop, "sku-1", 2).await;
+    assert_eq!(redis_entry(&report, "sku-1")["drift"], 0, "{report}");
+}
