@@ -288,6 +288,9 @@ pub trait Port {
         available: i64,
         now_ms: i64,
     ) -> Result<(), StorageError>;
+    /// The quantity of a reservation made in Redis whose settlement the database refused (its
+    /// failure row is the tombstone); `None` if none was refused.
+    async fn refused_reservation(&mut self, tenant: &str, id: &str) -> Result<Option<i64>, StorageError>;
     /// Adds to a per-user limit's count without a bound (Redis enforced it).
     async fn count_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError>;
     /// Stores an outcome under a key unless the key has one.

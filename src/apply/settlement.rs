@@ -92,6 +92,12 @@ async fn settle_move<P: Port>(
     // Read again after a lost race: the winner's state decides.
     for _ in 0..2 {
         let Some(reservation) = port.reservation(&r.t, id).await? else {
+            // Its reserve was refused: the move is a failure of its own, settled (so the
+            // backlog drains), for the tenant to compensate with the reserve's.
+            if let Some(qty) = port.refused_reservation(&r.t, id).await? {
+                return refused(port, r, qty, "reservation_refused", now_ms).await;
+            }
+            // Not yet settled (another consumer holds its reserve): tried again once idle.
             return Err(StorageError::Internal(format!("reservation {id} is not settled yet")));
         };
         let qty: i64 = reservation.lines.iter().map(|l| l.qty).sum();

@@ -17,9 +17,10 @@ use tokio::task::JoinHandle;
 
 use crate::engine::{ResourceKey, TenantId};
 use crate::redis_mode::{RedisMode, RedisModeError, GROUP};
-use crate::storage::redis_store::{SettleRecord, Settled};
+use crate::storage::redis_store::{DeadLetter, SettleRecord, Settled};
 use crate::storage::Storage;
 use crate::time::now_ms;
+use crate::time::Timestamp;
 
 /// How often each stream is searched for entries of dead consumers.
 const CLAIM_EVERY: Duration = Duration::from_millis(500);
@@ -168,8 +169,14 @@ async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, 
                 continue;
             }
             None => {
-                // Not a record this version wrote: never silently applied, kept out of the way.
-                tracing::error!(tenant, key, entry = %id, "unreadable settlement entry; acknowledged without applying");
+                // Not a record this version wrote: never applied, and acknowledged only once
+                // kept with its raw fields (else it stays pending and is tried again).
+                let letter = dead_letter(key, entries, id, record.as_ref(), now);
+                if let Err(err) = storage.record_dead_letter(&letter, tenant).await {
+                    tracing::warn!(error = %err, tenant, key, entry = %id, "keeping an unreadable entry failed; it stays pending");
+                    continue;
+                }
+                tracing::error!(tenant, key, entry = %id, reason = %letter.reason, "unreadable settlement entry: kept as a dead letter");
                 metrics::counter!("stockd_settlement_unreadable_total").increment(1);
             }
         }
@@ -215,6 +222,51 @@ async fn rewarm_if_abandoned(
             set.remove(&id);
         }
     });
+}
+
+/// Most bytes of an unreadable entry kept as its dead letter's payload.
+const DEAD_LETTER_MAX_BYTES: usize = 64 * 1024;
+
+/// An unreadable entry as a dead letter: its fields as a JSON object of strings (bytes that are
+/// not UTF-8 replaced), cut at [`DEAD_LETTER_MAX_BYTES`].
+fn dead_letter(key: &str, entries: &[StreamId], id: &str, record: Option<&SettleRecord>, now: i64) -> DeadLetter {
+    let entry = entries.iter().find(|e| e.id == id);
+    let fields: std::collections::BTreeMap<&str, String> = entry
+        .map(|e| {
+            e.map
+                .iter()
+                .map(|(field, value)| {
+                    let text = match value {
+                        redis::Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+                        redis::Value::SimpleString(s) => s.clone(),
+                        other => format!("{other:?}"),
+                    };
+                    (field.as_str(), text)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut payload = serde_json::to_string(&fields).unwrap_or_default();
+    if payload.len() > DEAD_LETTER_MAX_BYTES {
+        let mut cut = DEAD_LETTER_MAX_BYTES;
+        while !payload.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        payload.truncate(cut);
+        payload.push_str("...(cut)");
+    }
+    let reason = match record {
+        Some(_) => "the record names another resource",
+        None if fields.contains_key("r") => "the record does not parse",
+        None => "no record field",
+    };
+    DeadLetter {
+        key: key.to_string(),
+        entry_id: id.to_string(),
+        payload,
+        reason: reason.to_string(),
+        at: Timestamp(now),
+    }
 }
 
 /// Most reservations one pass expires per resource.

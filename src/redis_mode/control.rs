@@ -9,7 +9,7 @@ use utoipa::ToSchema;
 
 use super::{RedisDrift, RedisMode, RedisModeError};
 use crate::engine::{Mode, Reconciliation, Reservation, ReservationState, ResourceKey, ResourceState, TenantId};
-use crate::storage::redis_store::SettlementFailure;
+use crate::storage::redis_store::{DeadLetter, SettlementFailure};
 use crate::storage::{AdjustRefusal, IdempotencyRequest, Idempotent, ModeFence, Storage, Transition};
 use crate::time::now_ms;
 
@@ -30,6 +30,9 @@ pub struct ReconciliationReport {
     /// Sales Redis acknowledged that the database refused (newest first, at most 1000): for the
     /// tenant's order service to compensate.
     pub settlement_failures: Vec<SettlementFailure>,
+    /// Stream entries of the tenant's resources that could not be read, kept with their raw
+    /// fields before they were acknowledged (newest first, at most 1000).
+    pub dead_letters: Vec<DeadLetter>,
 }
 
 /// Refuses `"mode": "redis"` when this server has no Redis.
@@ -256,7 +259,9 @@ pub async fn reconciliation(
     ledger: Reconciliation,
 ) -> Result<ReconciliationReport, RedisModeError> {
     let settlement_failures = storage.settlement_failures(tenant, MAX_FAILURES_SHOWN).await?;
-    let mut report = ReconciliationReport { ledger, redis: Vec::new(), redis_reachable: true, settlement_failures };
+    let dead_letters = storage.dead_letters(tenant, MAX_FAILURES_SHOWN).await?;
+    let mut report =
+        ReconciliationReport { ledger, redis: Vec::new(), redis_reachable: true, settlement_failures, dead_letters };
     let Some(hot) = redis else { return Ok(report) };
     let mut keys: Vec<String> =
         hot.redis_resources().into_iter().filter(|(t, _)| t == tenant.as_str()).map(|(_, k)| k).collect();

@@ -73,7 +73,7 @@ pub fn move_target(op: &str) -> Option<(ReservationState, LedgerOp)> {
 
 /// A tenant's settlement failures, newest first (both backends; `$n` binds on both).
 pub(crate) const FAILURES_SQL: &str = "SELECT resource_key, request_id, order_id, idempotency_key, qty, reason,
-        available, at
+        available, at, reservation_id
     FROM settlement_failures WHERE tenant_id = $1 ORDER BY at DESC, request_id LIMIT $2";
 /// Takes the next epoch (both backends; `$n` binds on both): $1 into redis mode, $2 now, $3
 /// tenant, $4 key. `updated_at` moves only with the mode.
@@ -86,6 +86,10 @@ pub(crate) const TAKE_EPOCH_SQL: &str = "UPDATE resources
 /// Leaves redis mode at an epoch (both backends): $1 epoch, $2 now, $3 tenant, $4 key.
 pub(crate) const LEAVE_REDIS_SQL: &str = "UPDATE resources SET mode = 'db', updated_at = $2
     WHERE tenant_id = $3 AND key = $4 AND mode = 'redis' AND mode_epoch = $1";
+/// The quantity of the first settlement failure of a reservation (both backends): its refused
+/// reserve, as a move fails only once the reservation's row exists or after this.
+pub(crate) const REFUSED_RESERVATION_SQL: &str = "SELECT qty FROM settlement_failures
+    WHERE tenant_id = $1 AND reservation_id = $2 ORDER BY at, request_id LIMIT 1";
 /// Every redis-mode resource (both backends).
 pub(crate) const REDIS_RESOURCES_SQL: &str = "SELECT tenant_id, key FROM resources WHERE mode = 'redis' LIMIT $1";
 /// An idempotency key's finished record (both backends). Only finished: one still claimed by an
@@ -119,13 +123,41 @@ pub struct SettlementFailure {
     pub order_id: String,
     pub idempotency_key: String,
     pub qty: i64,
-    /// Why the database refused it: `insufficient` or `resource_not_found`.
+    /// Why the database refused it: `insufficient` or `resource_not_found` (a deduction or a
+    /// reservation), `reservation_<state>` (a move of a reservation the database had already
+    /// moved), `reservation_refused` (a move of a reservation whose own settlement was refused).
     pub reason: String,
+    /// The reservation, for a reservation or a move of one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reservation_id: Option<String>,
     /// Database available stock when it was refused.
     pub available: i64,
     #[schema(value_type = String, format = DateTime)]
     pub at: crate::time::Timestamp,
 }
+
+/// A stream entry the settlement consumer could not read, kept with its raw fields.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct DeadLetter {
+    pub key: String,
+    /// The Redis stream entry id.
+    pub entry_id: String,
+    /// The entry's fields as a JSON object of strings (at most 64 KiB, cut beyond).
+    pub payload: String,
+    /// Why it could not be settled.
+    pub reason: String,
+    #[schema(value_type = String, format = DateTime)]
+    pub at: crate::time::Timestamp,
+}
+
+/// Records a dead letter once (both backends): $1 tenant, $2 key, $3 entry id, $4 payload,
+/// $5 reason, $6 now.
+pub(crate) const DEAD_LETTER_SQL: &str = "INSERT INTO settlement_dead_letters
+        (tenant_id, resource_key, entry_id, payload, reason, at)
+    VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING";
+/// A tenant's dead letters, newest first (both backends).
+pub(crate) const DEAD_LETTERS_SQL: &str = "SELECT resource_key, entry_id, payload, reason, at
+    FROM settlement_dead_letters WHERE tenant_id = $1 ORDER BY at DESC, entry_id LIMIT $2";
 
 /// The storage operations of the Redis hot path.
 #[async_trait]
@@ -154,6 +186,11 @@ pub trait RedisStore: Send + Sync {
     ) -> Result<bool, StorageError>;
     /// Every resource in redis mode (all tenants), at most `limit`.
     async fn redis_resources(&self, limit: u32) -> Result<Vec<(TenantId, ResourceKey)>, StorageError>;
+    /// Keeps a stream entry that could not be read (once per entry id), before it is
+    /// acknowledged.
+    async fn record_dead_letter(&self, letter: &DeadLetter, tenant: &str) -> Result<(), StorageError>;
+    /// The tenant's dead letters, newest first, at most `limit`.
+    async fn dead_letters(&self, tenant: &TenantId, limit: u32) -> Result<Vec<DeadLetter>, StorageError>;
     /// The tenant's settlement failures, newest first, at most `limit`.
     async fn settlement_failures(&self, tenant: &TenantId, limit: u32) -> Result<Vec<SettlementFailure>, StorageError>;
 }

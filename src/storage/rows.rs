@@ -10,7 +10,7 @@ use crate::engine::{
     ResourceState, ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
-use crate::storage::redis_store::SettlementFailure;
+use crate::storage::redis_store::{DeadLetter, SettlementFailure};
 use crate::storage::{ApiKeyRecord, PluginVersion, StorageError, TenantRecord};
 use crate::time::Timestamp;
 
@@ -230,6 +230,17 @@ pub fn plugin_version(row: &dyn Columns) -> Result<PluginVersion, StorageError> 
     })
 }
 
+/// A dead letter as [`crate::storage::redis_store::DEAD_LETTERS_SQL`] selects it.
+pub fn dead_letter(row: &dyn Columns) -> Result<DeadLetter, StorageError> {
+    Ok(DeadLetter {
+        key: row.text("resource_key")?,
+        entry_id: row.text("entry_id")?,
+        payload: row.text("payload")?,
+        reason: row.text("reason")?,
+        at: Timestamp(row.int("at")?),
+    })
+}
+
 /// A settlement failure as [`crate::storage::redis_store::FAILURES_SQL`] selects it.
 pub fn settlement_failure(row: &dyn Columns) -> Result<SettlementFailure, StorageError> {
     Ok(SettlementFailure {
@@ -240,6 +251,7 @@ pub fn settlement_failure(row: &dyn Columns) -> Result<SettlementFailure, Storag
         qty: row.int("qty")?,
         reason: row.text("reason")?,
         available: row.int("available")?,
+        reservation_id: row.opt_text("reservation_id")?,
         at: Timestamp(row.int("at")?),
     })
 }

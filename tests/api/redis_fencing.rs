@@ -1,6 +1,7 @@
 //! Redis mode where paths meet (docs/REDIS.md, "Fencing"): processes with a stale view of a
-//! resource's mode, a warm or adjustment whose request is cancelled half-way, and a process that
-//! dies with a resource closed. Each test drives real processes over HTTP and looks into Redis.
+//! resource's mode, a warm or adjustment whose request is cancelled half-way, a process that
+//! dies with a resource closed, and moves of reservations the database refused. Each test drives
+//! real processes over HTTP and looks into Redis.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use serde_json::{json, Value};
 
-use crate::helpers::{assert_counts, AppOptions, TenantClient, TestApp};
+use crate::helpers::{assert_counts, reserve, AppOptions, TenantClient, TestApp};
 use crate::redis_support::{
     create_redis_resource, deduct_one, reconciliation, redis_app, redis_conn, redis_entry, shared_redis_url,
     wait_settled, TableHold,
@@ -188,4 +189,103 @@ async fn a_resource_left_closed_by_a_dead_process_reopens_when_its_lease_runs_ou
     reply.expect_json(201);
     let report = wait_settled(&shop, "sku-1", 2).await;
     assert_eq!(redis_entry(&report, "sku-1")["drift"], 0, "{report}");
+}
+
+/// Reservations Redis made and the database refused at settlement (Redis held stock the
+/// database did not, as after Redis came back from an older snapshot): their later release
+/// and expiry settle as recorded failures of their own, so the backlog drains and a warm works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moves_of_reservations_the_database_refused_settle_as_failures_and_let_a_warm_through() {
+    let (app, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 10).await;
+    let mut redis = redis_conn(&shared_redis_url()).await;
+    let _: i64 = redis::cmd("HINCRBY")
+        .arg(format!("{prefix}:{{shop:sku-1}}:r"))
+        .arg("avail")
+        .arg(30)
+        .query_async(&mut redis)
+        .await
+        .expect("HINCRBY");
+
+    let expiring = shop.order("r1", &reserve("r1", &[("sku-1", 12)], Some(1))).await.expect_json(201);
+    let released = shop.order("r2", &reserve("r2", &[("sku-1", 11)], Some(300))).await.expect_json(201);
+    let ids = [&expiring, &released].map(|doc| doc["reservation_id"].as_str().expect("an id").to_string());
+    let failures = wait_failures(&shop, 2).await;
+    assert!(failures.iter().all(|f| f["reason"] == "insufficient"), "{failures:?}");
+    shop.release(&ids[1]).await.expect_json(200);
+
+    let failures = wait_failures(&shop, 4).await;
+    for id in &ids {
+        let reasons: Vec<&str> = failures
+            .iter()
+            .filter(|f| f["reservation_id"] == id.as_str())
+            .filter_map(|f| f["reason"].as_str())
+            .collect();
+        assert_eq!(reasons.len(), 2, "{id}: {failures:?}");
+        assert!(reasons.contains(&"insufficient") && reasons.contains(&"reservation_refused"), "{id}: {failures:?}");
+    }
+    let warmed = shop.post("/v1/resources/sku-1/warm", &json!({})).await.expect_json(200);
+    assert_eq!((warmed["redis_available"].clone(), warmed["drift"].clone()), (json!(10), json!(0)), "{warmed}");
+    assert_counts(&shop.state("sku-1").await, 10, 0, 0, 10);
+}
+
+/// The tenant's settlement failures once there are `n` of them.
+async fn wait_failures(shop: &TenantClient, n: usize) -> Vec<Value> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let report = reconciliation(shop).await;
+        let failures = report["settlement_failures"].as_array().cloned().unwrap_or_default();
+        if failures.len() >= n {
+            return failures;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "fewer than {n} settlement failures: {report}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A stream entry the settlement consumer cannot read is kept, with its raw fields, as a dead
+/// letter listed by reconciliation before it is acknowledged: nothing Redis acknowledged is
+/// deleted unrecorded, and the resource's backlog still drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_stream_entry_becomes_a_dead_letter_before_it_is_acknowledged() {
+    let (app, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    let other = app.create_tenant("other").await;
+    create_redis_resource(&shop, "sku-1", 10).await;
+    let mut redis = redis_conn(&shared_redis_url()).await;
+    let stream = format!("{prefix}:{{shop:sku-1}}:x");
+    for fields in [vec![("r", "{not json"), ("d", "0")], vec![("junk", "\u{1F4A5}")]] {
+        // As a script would: the entry and its count in `pending`, in one transaction.
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        pipe.cmd("XADD").arg(&stream).arg("*").arg(&fields);
+        pipe.cmd("HINCRBY").arg(format!("{prefix}:{{shop:sku-1}}:r")).arg("pending").arg(1);
+        let _: (String, i64) = pipe.query_async(&mut redis).await.expect("XADD");
+    }
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let letters = loop {
+        let report = reconciliation(&shop).await;
+        let letters = report["dead_letters"].as_array().cloned().unwrap_or_default();
+        if letters.len() == 2 {
+            break letters;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no dead letters: {report}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let payloads: Vec<Value> =
+        letters.iter().map(|l| serde_json::from_str(l["payload"].as_str().expect("payload")).expect("JSON")).collect();
+    assert!(payloads.contains(&json!({"r": "{not json", "d": "0"})), "{letters:?}");
+    assert!(payloads.contains(&json!({"junk": "\u{1F4A5}"})), "{letters:?}");
+    assert!(letters.iter().all(|l| l["key"] == "sku-1" && !l["reason"].as_str().unwrap_or("").is_empty()));
+    // XPENDING's summary starts with the number of entries delivered and not acknowledged.
+    let summary: Vec<redis::Value> =
+        redis::cmd("XPENDING").arg(&stream).arg("settle").query_async(&mut redis).await.expect("XPENDING");
+    let unacknowledged: i64 =
+        summary.first().cloned().map(redis::from_redis_value).transpose().ok().flatten().unwrap_or(-1);
+    assert_eq!(unacknowledged, 0, "every entry acknowledged");
+    assert_eq!(reconciliation(&other).await["dead_letters"], json!([]), "another tenant sees none");
+    let warmed = shop.post("/v1/resources/sku-1/warm", &json!({})).await.expect_json(200);
+    assert_eq!((warmed["unsettled"].clone(), warmed["drift"].clone()), (json!(0), json!(0)), "{warmed}");
 }

@@ -22,7 +22,7 @@ use crate::engine::{
     BucketCounts, Kind, LedgerEntry, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus,
     TenantId, MAX_TOTAL,
 };
-use crate::storage::redis_store::SettleRecord;
+use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
 
@@ -596,8 +596,8 @@ impl Port for PgPort<'_> {
     ) -> Result<(), StorageError> {
         sqlx::query(
             "INSERT INTO settlement_failures (tenant_id, resource_key, request_id, order_id, idempotency_key,
-                                              qty, reason, available, at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
+                                              qty, reason, available, at, reservation_id)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT DO NOTHING",
         )
         .bind(&r.t)
         .bind(&r.k)
@@ -608,9 +608,18 @@ impl Port for PgPort<'_> {
         .bind(reason)
         .bind(available)
         .bind(now_ms)
+        .bind(&r.rsv)
         .execute(&mut *self.conn)
         .await?;
         Ok(())
+    }
+
+    async fn refused_reservation(&mut self, tenant: &str, id: &str) -> Result<Option<i64>, StorageError> {
+        Ok(sqlx::query_scalar::<_, i64>(REFUSED_RESERVATION_SQL)
+            .bind(tenant)
+            .bind(id)
+            .fetch_optional(&mut *self.conn)
+            .await?)
     }
 
     async fn count_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError> {

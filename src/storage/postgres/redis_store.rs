@@ -11,8 +11,8 @@ use super::port::PgPort;
 use super::{acquire, PgStorage};
 use crate::engine::{ResourceKey, TenantId};
 use crate::storage::redis_store::{
-    parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, LEAVE_REDIS_SQL,
-    REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
+    parse_pair, DeadLetter, RedisStore, SettleRecord, Settled, SettlementFailure, DEAD_LETTERS_SQL, DEAD_LETTER_SQL,
+    FAILURES_SQL, LEAVE_REDIS_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
 };
 use crate::storage::rows::{self, Columns};
 use crate::storage::StorageError;
@@ -89,6 +89,27 @@ impl RedisStore for PgStorage {
         let mut conn = acquire(&self.pool).await?;
         let rows = sqlx::query(REDIS_RESOURCES_SQL).bind(i64::from(limit)).fetch_all(&mut *conn).await?;
         rows.iter().map(|row| parse_pair(row.text("tenant_id")?, row.text("key")?)).collect()
+    }
+
+    async fn record_dead_letter(&self, letter: &DeadLetter, tenant: &str) -> Result<(), StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        sqlx::query(DEAD_LETTER_SQL)
+            .bind(tenant)
+            .bind(&letter.key)
+            .bind(&letter.entry_id)
+            .bind(&letter.payload)
+            .bind(&letter.reason)
+            .bind(letter.at.0)
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn dead_letters(&self, tenant: &TenantId, limit: u32) -> Result<Vec<DeadLetter>, StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        let rows =
+            sqlx::query(DEAD_LETTERS_SQL).bind(tenant.as_str()).bind(i64::from(limit)).fetch_all(&mut *conn).await?;
+        rows.iter().map(|row| rows::dead_letter(row)).collect()
     }
 
     async fn settlement_failures(&self, tenant: &TenantId, limit: u32) -> Result<Vec<SettlementFailure>, StorageError> {

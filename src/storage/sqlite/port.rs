@@ -18,7 +18,7 @@ use crate::engine::{
     BucketCounts, Kind, LedgerEntry, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus,
     TenantId, MAX_TOTAL,
 };
-use crate::storage::redis_store::{SettleRecord, STORED_OUTCOME_SQL};
+use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL, STORED_OUTCOME_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
 
@@ -525,11 +525,19 @@ impl Port for SqlitePort<'_> {
         self.conn
             .prepare_cached(
                 "INSERT INTO settlement_failures (tenant_id, resource_key, request_id, order_id, idempotency_key,
-                                                  qty, reason, available, at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) ON CONFLICT DO NOTHING",
+                                                  qty, reason, available, at, reservation_id)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) ON CONFLICT DO NOTHING",
             )?
-            .execute(params![r.t, r.k, r.rid, r.oid, r.idem, qty, reason, available, now_ms])?;
+            .execute(params![r.t, r.k, r.rid, r.oid, r.idem, qty, reason, available, now_ms, r.rsv])?;
         Ok(())
+    }
+
+    async fn refused_reservation(&mut self, tenant: &str, id: &str) -> Result<Option<i64>, StorageError> {
+        Ok(self
+            .conn
+            .prepare_cached(&REFUSED_RESERVATION_SQL.replace('$', "?"))?
+            .query_row(params![tenant, id], |row| row.get::<_, i64>(0))
+            .optional()?)
     }
 
     async fn count_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError> {

@@ -6,8 +6,8 @@ use super::SqliteStorage;
 use crate::apply::port::run_now;
 use crate::engine::{ResourceKey, TenantId};
 use crate::storage::redis_store::{
-    parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, LEAVE_REDIS_SQL,
-    REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
+    parse_pair, DeadLetter, RedisStore, SettleRecord, Settled, SettlementFailure, DEAD_LETTERS_SQL, DEAD_LETTER_SQL,
+    FAILURES_SQL, LEAVE_REDIS_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
 };
 use crate::storage::rows;
 use crate::storage::StorageError;
@@ -69,6 +69,34 @@ impl RedisStore for SqliteStorage {
             })
             .await?;
         pairs.into_iter().map(|(tenant, key)| parse_pair(tenant, key)).collect()
+    }
+
+    async fn record_dead_letter(&self, letter: &DeadLetter, tenant: &str) -> Result<(), StorageError> {
+        let (letter, tenant) = (letter.clone(), tenant.to_string());
+        self.writer()?
+            .submit(move |conn| {
+                let sql = DEAD_LETTER_SQL.replace('$', "?");
+                conn.prepare_cached(&sql)?.execute(params![
+                    tenant,
+                    letter.key,
+                    letter.entry_id,
+                    letter.payload,
+                    letter.reason,
+                    letter.at.0
+                ])?;
+                Ok(())
+            })
+            .await
+    }
+
+    async fn dead_letters(&self, tenant: &TenantId, limit: u32) -> Result<Vec<DeadLetter>, StorageError> {
+        let tenant = tenant.clone();
+        self.readers()
+            .snapshot(move |conn| {
+                let sql = DEAD_LETTERS_SQL.replace('$', "?");
+                all(&mut conn.prepare_cached(&sql)?, params![tenant.as_str(), i64::from(limit)], rows::dead_letter)
+            })
+            .await
     }
 
     async fn settlement_failures(&self, tenant: &TenantId, limit: u32) -> Result<Vec<SettlementFailure>, StorageError> {
