@@ -168,7 +168,7 @@ impl Pipeline {
         if let Some(previous) = self.answered(tenant, &job.idempotency).await? {
             return Ok(answer(previous));
         }
-        match redis.order(&job, now).await {
+        match redis.order(self.storage.as_ref(), &job, now).await {
             Ok(response) => Ok(answer(response)),
             Err(RedisModeError::NotWarmed(_) | RedisModeError::Closed)
                 if !redis.routes_now(self.storage.as_ref(), &job).await? =>

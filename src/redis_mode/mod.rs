@@ -98,6 +98,8 @@ pub enum Deducted {
     Cold,
     /// Closed while a warm or a mode switch drains its backlog.
     Closed,
+    /// The limit key's count must be read from the database first (see [`scripts::DEDUCT`]).
+    Seed,
 }
 
 /// The bodies the script stores, one per possible outcome, built before it runs.
@@ -120,6 +122,15 @@ pub struct Deduction<'a> {
     pub idempotency_key: &'a str,
     pub bodies: Bodies,
     pub record: SettleRecord,
+    /// The limit key's count in the database and the resource's epoch then, once asked for.
+    pub seed: Option<LimitSeed>,
+}
+
+/// A per-user limit key's count in the database, read together with the resource's epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitSeed {
+    pub used: i64,
+    pub epoch: i64,
 }
 
 /// What a reservation made in Redis carries.
@@ -300,7 +311,7 @@ impl RedisMode {
     }
 
     /// Runs the deduct script for one order line.
-    pub async fn deduct(&self, d: Deduction<'_>) -> Result<Deducted, RedisModeError> {
+    pub async fn deduct(&self, d: &Deduction<'_>) -> Result<Deducted, RedisModeError> {
         let (tenant, key) = (d.tenant.as_str(), d.key.as_str());
         let record = serde_json::to_string(&d.record).map_err(|e| RedisModeError::Reply(e.to_string()))?;
         let mut invocation = self.deduct.key(self.resource_key(tenant, key));
@@ -326,6 +337,10 @@ impl RedisMode {
             Some(r) => invocation.arg("reserve").arg(&r.id).arg(r.expires_at_ms).arg(&r.document),
             None => invocation.arg("deduct").arg("").arg(0).arg(""),
         };
+        match d.seed {
+            Some(seed) => invocation.arg(seed.used).arg(seed.epoch),
+            None => invocation.arg("").arg(""),
+        };
         let mut conn = self.link.conn().await?;
         let reply: Result<(String, String, String, i64), RedisError> = invocation.invoke_async(&mut conn).await;
         let (outcome, code, body, available) = reply.inspect_err(|e| self.link.judge(e))?;
@@ -335,6 +350,7 @@ impl RedisMode {
             "mismatch" => Deducted::Mismatch,
             "cold" => Deducted::Cold,
             "closed" => Deducted::Closed,
+            "seed" => Deducted::Seed,
             _ => Deducted::Fresh { outcome, status, body, available },
         })
     }
@@ -561,7 +577,8 @@ impl RedisMode {
                 .arg(self.channel())
                 .arg(soldout::message(stock_mark(state.available), t, k))
                 .arg(state.reserved)
-                .arg(epoch);
+                .arg(epoch)
+                .arg(if state.consumed > 0 || state.reserved > 0 { "1" } else { "0" });
             let mut conn = self.link.conn().await?;
             let (loaded, backlog): (i64, i64) =
                 invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;

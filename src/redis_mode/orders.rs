@@ -2,7 +2,7 @@
 //! (or, once Redis announced the resource sold out, answered from memory after Redis is asked
 //! whether this request's key was answered before).
 
-use super::{Bodies, Deducted, Deduction, RedisMode, RedisModeError, Reserve};
+use super::{Bodies, Deducted, Deduction, LimitSeed, RedisMode, RedisModeError, Reserve};
 use crate::engine::{
     Action, LineResult, OrderDocument, Reason, Reservation, ReservationLine, ReservationState, TenantId,
 };
@@ -11,6 +11,8 @@ use crate::storage::rules::new_request_id;
 use crate::storage::{ContentType, Idempotent, OrderJob, Storage, StoredResponse};
 use crate::time::Timestamp;
 
+/// How often an order reads a limit key's count for Redis before it answers 503.
+const SEED_ATTEMPTS: usize = 3;
 /// How long past its deadline Redis remembers which resource a reservation belongs to.
 const RESERVATION_MAP_EXTRA_S: i64 = 86_400;
 
@@ -38,7 +40,7 @@ impl RedisMode {
     /// Decides an order whose plan touches a redis-mode resource (see [`RedisMode::routes`]).
     /// `Fresh` is this request's outcome (applied or refused); a key Redis answered before gets
     /// its first outcome.
-    pub async fn order(&self, job: &OrderJob, now: i64) -> Result<Idempotent, RedisModeError> {
+    pub async fn order(&self, storage: &dyn Storage, job: &OrderJob, now: i64) -> Result<Idempotent, RedisModeError> {
         let tenant: &TenantId = &job.tenant;
         let line = match job.plan.lines.as_slice() {
             [line] if line.targets.len() == 1 && line.targets[0].create_if_missing.is_none() => line,
@@ -104,6 +106,7 @@ impl RedisMode {
                 inactive: body(LineResult::Rejected(Reason::ResourceInactive))?,
             },
             record,
+            seed: None,
         };
         let sold_out = || -> Result<Idempotent, RedisModeError> {
             // Not stored: a retry after a restock may apply.
@@ -111,6 +114,7 @@ impl RedisMode {
             let body = body(LineResult::Rejected(Reason::SoldOut))?;
             Ok(Idempotent::Fresh(StoredResponse { status: 409, content_type: ContentType::Json, body }))
         };
+        let mut deduction = deduction;
         let answer = match self.sold_out.state(tenant.as_str(), target.as_str()) {
             // Every sale is in the database, whose record of this key the pipeline read first.
             Some(true) => return sold_out(),
@@ -119,7 +123,7 @@ impl RedisMode {
                 Some(previous) => previous,
                 None => return sold_out(),
             },
-            None => self.deduct(deduction).await?,
+            None => self.deduct_seeded(storage, &mut deduction).await?,
         };
         match answer {
             Deducted::Fresh { outcome, status, body, available } => {
@@ -141,7 +145,20 @@ impl RedisMode {
             }
             Deducted::Mismatch => Ok(Idempotent::Mismatch),
             Deducted::Cold => Err(RedisModeError::NotWarmed(target.to_string())),
-            Deducted::Closed => Err(RedisModeError::Closed),
+            Deducted::Closed | Deducted::Seed => Err(RedisModeError::Closed),
         }
+    }
+
+    /// Runs the deduct script, reading the limit key's count from the database when Redis asks
+    /// for it (a limit key's first use since the resource entered redis mode). `Seed` again
+    /// after a few reads: the resource's epoch keeps moving (being warmed).
+    async fn deduct_seeded(&self, storage: &dyn Storage, d: &mut Deduction<'_>) -> Result<Deducted, RedisModeError> {
+        for _ in 0..SEED_ATTEMPTS {
+            let answer = self.deduct(d).await?;
+            let (Deducted::Seed, Some((limit, _))) = (&answer, d.limit) else { return Ok(answer) };
+            let (used, epoch) = storage.limit_seed(d.tenant, limit, d.key).await?;
+            d.seed = Some(LimitSeed { used, epoch });
+        }
+        Ok(Deducted::Seed)
     }
 }

@@ -23,10 +23,19 @@
 /// ARGV[8] body if over the limit; ARGV[9] body if inactive; ARGV[10] the settlement record;
 /// ARGV[11] the sold-out channel; ARGV[12] the sold-out message; ARGV[13] "deduct" or
 /// "reserve"; reserve only: ARGV[14] reservation id, ARGV[15] deadline (Unix ms), ARGV[16] the
-/// reservation document.
+/// reservation document; ARGV[17] the limit key's count in the database or "" (not read), and
+/// ARGV[18] the resource's epoch when it was read.
+///
+/// A limit key Redis does not count yet starts from zero, unless the resource had sales before
+/// Redis started counting (`seed` = "1": it entered redis mode, or Redis lost its data, after
+/// something was sold): then it starts from the database's count, and the script answers `seed`
+/// until the caller passes one read at the epoch Redis holds (read after that epoch was taken,
+/// when the database path no longer sold the resource and every earlier Redis sale was
+/// settled). A flash sale on a resource created in redis mode never reads a count.
 ///
 /// Returns `{outcome, code, body, avail}`; outcome is `applied`, `insufficient`, `limit`,
-/// `inactive`, `replay`, `mismatch`, `cold` (not warmed: nothing known) or `closed` (draining).
+/// `inactive`, `replay`, `mismatch`, `cold` (not warmed: nothing known), `closed` (draining) or
+/// `seed` (read the limit key's count from the database and run again; nothing written).
 /// A success exists only together with its stream entry: both are written by this one script.
 pub const DEDUCT: &str = r#"
 local prev = redis.call('HMGET', KEYS[3], 'h', 'c', 'b')
@@ -34,15 +43,29 @@ if prev[1] then
   if prev[1] ~= ARGV[4] then return {'mismatch', '422', '', -1} end
   return {'replay', prev[2], prev[3], -1}
 end
-local st = redis.call('HMGET', KEYS[1], 'avail', 'open', 'inactive')
+local st = redis.call('HMGET', KEYS[1], 'avail', 'open', 'inactive', 'seed')
 if not st[1] then return {'cold', '503', '', -1} end
 if st[2] ~= '1' then return {'closed', '503', '', -1} end
 local qty = tonumber(ARGV[1])
 local avail = tonumber(st[1])
+local used = 0
+if ARGV[2] ~= '' then
+  local counted = redis.call('HGET', KEYS[2], ARGV[2])
+  if counted then
+    used = tonumber(counted)
+  elseif st[4] ~= '1' then
+    used = 0
+  elseif ARGV[17] == '' or (redis.call('HGET', KEYS[1], 'epoch') or '0') ~= ARGV[18] then
+    return {'seed', '0', '', -1}
+  else
+    used = tonumber(ARGV[17])
+    redis.call('HSET', KEYS[2], ARGV[2], used)
+  end
+end
 local outcome, code, body
 if st[3] == '1' then
   outcome, code, body = 'inactive', '409', ARGV[9]
-elseif ARGV[2] ~= '' and tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0') + qty > tonumber(ARGV[3]) then
+elseif ARGV[2] ~= '' and used + qty > tonumber(ARGV[3]) then
   outcome, code, body = 'limit', '409', ARGV[8]
 elseif avail < qty then
   outcome, code, body = 'insufficient', '409', ARGV[7]
@@ -183,8 +206,11 @@ return 1
 ///
 /// KEYS[1] the resource hash; KEYS[2] the stream. ARGV[1] database available; ARGV[2] "1" if
 /// inactive; ARGV[3] group; ARGV[4] the channel; ARGV[5] the message announcing the new stock;
-/// ARGV[6] database reserved; ARGV[7] epoch. Held reservations stay as they are: the
-/// database's reserved counts exactly them once everything is settled.
+/// ARGV[6] database reserved; ARGV[7] epoch; ARGV[8] "1" if anything of it was ever sold (its
+/// per-user limit counts may be non-zero), which, when Redis starts counting afresh (it held no
+/// stock: a new redis-mode period, or data lost), makes new limit keys start from the
+/// database's counts. Held reservations stay as they are: the database's reserved counts
+/// exactly them once everything is settled.
 /// Returns `{1, 0}` when loaded, `{0, pending}` when something is still unsettled (the caller
 /// waits and tries again), `{-1, 0}` when another epoch took over.
 pub const LOAD: &str = r#"
@@ -192,6 +218,7 @@ local st = redis.call('HMGET', KEYS[1], 'epoch', 'pending')
 if st[1] ~= ARGV[7] then return {-1, 0} end
 local pending = tonumber(st[2] or '0')
 if pending ~= 0 then return {0, pending} end
+if redis.call('HEXISTS', KEYS[1], 'avail') == 0 then redis.call('HSET', KEYS[1], 'seed', ARGV[8]) end
 redis.call('HSET', KEYS[1], 'avail', ARGV[1], 'reserved', ARGV[6], 'backlog', 0, 'pending', 0, 'open', '1',
   'inactive', ARGV[2])
 redis.call('HDEL', KEYS[1], 'owner', 'lease')

@@ -90,6 +90,11 @@ pub(crate) const LEAVE_REDIS_SQL: &str = "UPDATE resources SET mode = 'db', upda
 /// reserve, as a move fails only once the reservation's row exists or after this.
 pub(crate) const REFUSED_RESERVATION_SQL: &str = "SELECT qty FROM settlement_failures
     WHERE tenant_id = $1 AND reservation_id = $2 ORDER BY at, request_id LIMIT 1";
+/// A limit key's count and a resource's epoch in one statement (both backends): $1 tenant,
+/// $2 limit key, $3 resource key.
+pub(crate) const LIMIT_SEED_SQL: &str = "SELECT
+        COALESCE((SELECT used FROM user_limits WHERE tenant_id = $1 AND key = $2), 0) AS used,
+        COALESCE((SELECT mode_epoch FROM resources WHERE tenant_id = $1 AND key = $3), -1) AS epoch";
 /// Every redis-mode resource (both backends).
 pub(crate) const REDIS_RESOURCES_SQL: &str = "SELECT tenant_id, key FROM resources WHERE mode = 'redis' LIMIT $1";
 /// An idempotency key's finished record (both backends). Only finished: one still claimed by an
@@ -186,6 +191,14 @@ pub trait RedisStore: Send + Sync {
     ) -> Result<bool, StorageError>;
     /// Every resource in redis mode (all tenants), at most `limit`.
     async fn redis_resources(&self, limit: u32) -> Result<Vec<(TenantId, ResourceKey)>, StorageError>;
+    /// A per-user limit key's count and the resource's fencing epoch, read together (one
+    /// statement): what Redis starts the key from (see [`crate::redis_mode::scripts::DEDUCT`]).
+    async fn limit_seed(
+        &self,
+        tenant: &TenantId,
+        limit: &str,
+        resource: &ResourceKey,
+    ) -> Result<(i64, i64), StorageError>;
     /// Keeps a stream entry that could not be read (once per entry id), before it is
     /// acknowledged.
     async fn record_dead_letter(&self, letter: &DeadLetter, tenant: &str) -> Result<(), StorageError>;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use serde_json::{json, Value};
 
-use crate::helpers::{assert_counts, reserve, AppOptions, TenantClient, TestApp};
+use crate::helpers::{assert_counts, plugin_wasm, reserve, AppOptions, TenantClient, TestApp};
 use crate::redis_support::{
     create_redis_resource, deduct_one, reconciliation, redis_app, redis_conn, redis_entry, shared_redis_url,
     wait_settled, TableHold,
@@ -288,4 +288,30 @@ async fn an_unreadable_stream_entry_becomes_a_dead_letter_before_it_is_acknowled
     assert_eq!(reconciliation(&other).await["dead_letters"], json!([]), "another tenant sees none");
     let warmed = shop.post("/v1/resources/sku-1/warm", &json!({})).await.expect_json(200);
     assert_eq!((warmed["unsettled"].clone(), warmed["drift"].clone()), (json!(0), json!(0)), "{warmed}");
+}
+
+/// Per-user limits hold across mode switches: what a user bought on the database path counts in
+/// Redis (the first use of a limit key in Redis starts from the database's count), and what
+/// they bought in Redis counts on the database path again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_user_limits_hold_across_mode_switches() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    shop.put_plugin_config(plugin_wasm("flash-sale"), "buckets=1").await.expect_json(201);
+    shop.create_resource("sku-1", 10).await;
+    let reason = |reply: &Value| reply["lines"][0]["reason"].as_str().unwrap_or("").to_string();
+
+    shop.order("a1", &deduct_one("a1", "sku-1", 1, Some("u1"))).await.expect_json(201);
+    shop.patch("/v1/resources/sku-1", &json!({"mode": "redis"})).await.expect_json(200);
+    let again = shop.order("a2", &deduct_one("a2", "sku-1", 1, Some("u1"))).await.expect_json(409);
+    assert_eq!(reason(&again), "limit_exceeded", "u1 bought on the database path already: {again}");
+    shop.order("b1", &deduct_one("b1", "sku-1", 1, Some("u2"))).await.expect_json(201);
+    let twice = shop.order("b2", &deduct_one("b2", "sku-1", 1, Some("u2"))).await.expect_json(409);
+    assert_eq!(reason(&twice), "limit_exceeded", "{twice}");
+
+    shop.patch("/v1/resources/sku-1", &json!({"mode": "db"})).await.expect_json(200);
+    let back = shop.order("b3", &deduct_one("b3", "sku-1", 1, Some("u2"))).await.expect_json(409);
+    assert_eq!(reason(&back), "limit_exceeded", "u2 bought in Redis: {back}");
+    shop.order("c1", &deduct_one("c1", "sku-1", 1, Some("u3"))).await.expect_json(201);
+    assert_counts(&shop.state("sku-1").await, 7, 0, 3, 10);
 }

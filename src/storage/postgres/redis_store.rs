@@ -12,7 +12,7 @@ use super::{acquire, PgStorage};
 use crate::engine::{ResourceKey, TenantId};
 use crate::storage::redis_store::{
     parse_pair, DeadLetter, RedisStore, SettleRecord, Settled, SettlementFailure, DEAD_LETTERS_SQL, DEAD_LETTER_SQL,
-    FAILURES_SQL, LEAVE_REDIS_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
+    FAILURES_SQL, LEAVE_REDIS_SQL, LIMIT_SEED_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
 };
 use crate::storage::rows::{self, Columns};
 use crate::storage::StorageError;
@@ -89,6 +89,22 @@ impl RedisStore for PgStorage {
         let mut conn = acquire(&self.pool).await?;
         let rows = sqlx::query(REDIS_RESOURCES_SQL).bind(i64::from(limit)).fetch_all(&mut *conn).await?;
         rows.iter().map(|row| parse_pair(row.text("tenant_id")?, row.text("key")?)).collect()
+    }
+
+    async fn limit_seed(
+        &self,
+        tenant: &TenantId,
+        limit: &str,
+        resource: &ResourceKey,
+    ) -> Result<(i64, i64), StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        let row = sqlx::query(LIMIT_SEED_SQL)
+            .bind(tenant.as_str())
+            .bind(limit)
+            .bind(resource.as_str())
+            .fetch_one(&mut *conn)
+            .await?;
+        Ok((row.int("used")?, row.int("epoch")?))
     }
 
     async fn record_dead_letter(&self, letter: &DeadLetter, tenant: &str) -> Result<(), StorageError> {

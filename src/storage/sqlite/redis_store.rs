@@ -7,7 +7,7 @@ use crate::apply::port::run_now;
 use crate::engine::{ResourceKey, TenantId};
 use crate::storage::redis_store::{
     parse_pair, DeadLetter, RedisStore, SettleRecord, Settled, SettlementFailure, DEAD_LETTERS_SQL, DEAD_LETTER_SQL,
-    FAILURES_SQL, LEAVE_REDIS_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
+    FAILURES_SQL, LEAVE_REDIS_SQL, LIMIT_SEED_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
 };
 use crate::storage::rows;
 use crate::storage::StorageError;
@@ -69,6 +69,23 @@ impl RedisStore for SqliteStorage {
             })
             .await?;
         pairs.into_iter().map(|(tenant, key)| parse_pair(tenant, key)).collect()
+    }
+
+    async fn limit_seed(
+        &self,
+        tenant: &TenantId,
+        limit: &str,
+        resource: &ResourceKey,
+    ) -> Result<(i64, i64), StorageError> {
+        let (tenant, limit, resource) = (tenant.clone(), limit.to_string(), resource.clone());
+        self.readers()
+            .snapshot(move |conn| {
+                let sql = LIMIT_SEED_SQL.replace('$', "?");
+                Ok(conn.prepare_cached(&sql)?.query_row(params![tenant.as_str(), limit, resource.as_str()], |row| {
+                    Ok((row.get(0)?, row.get(1)?))
+                })?)
+            })
+            .await
     }
 
     async fn record_dead_letter(&self, letter: &DeadLetter, tenant: &str) -> Result<(), StorageError> {
