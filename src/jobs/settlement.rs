@@ -180,7 +180,12 @@ async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, 
                 metrics::counter!("stockd_settlement_unreadable_total").increment(1);
             }
         }
-        match hot.ack(tenant, key, id, delta).await {
+        // A settled move ended its reservation: Redis forgets it (the database has it).
+        let ended = record
+            .as_ref()
+            .filter(|r| crate::storage::redis_store::move_target(r.op()).is_some())
+            .and_then(|r| r.rsv.as_deref());
+        match hot.ack(tenant, key, id, delta, ended).await {
             Ok(()) => acked += 1,
             Err(err) => tracing::warn!(error = %err, tenant, key, "acknowledging a settled entry failed"),
         }

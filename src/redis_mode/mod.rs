@@ -457,16 +457,26 @@ impl RedisMode {
         Ok(self.link.query(&cmd).await?)
     }
 
-    /// Acknowledges a settled entry (see [`scripts::ACK`]); `delta` is the entry's `d`.
-    pub async fn ack(&self, tenant: &str, key: &str, id: &str, delta: i64) -> Result<(), RedisModeError> {
+    /// Acknowledges a settled entry (see [`scripts::ACK`]); `delta` is the entry's `d`;
+    /// `ended` the reservation a move in it ended.
+    pub async fn ack(
+        &self,
+        tenant: &str,
+        key: &str,
+        id: &str,
+        delta: i64,
+        ended: Option<&str>,
+    ) -> Result<(), RedisModeError> {
         let mut invocation = self.ack.key(self.stream_key(tenant, key));
         invocation
             .key(self.resource_key(tenant, key))
+            .key(self.reservations_key(tenant, key))
             .arg(GROUP)
             .arg(id)
             .arg(delta)
             .arg(self.channel())
-            .arg(soldout::message(soldout::Mark::Settled, tenant, key));
+            .arg(soldout::message(soldout::Mark::Settled, tenant, key))
+            .arg(ended.unwrap_or(""));
         let mut conn = self.link.conn().await?;
         let _: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
         Ok(())

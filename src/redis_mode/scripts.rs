@@ -135,10 +135,12 @@ return {to, doc}
 /// Acknowledges one settled stream entry: the first acknowledgement (only) removes the entry
 /// and takes it off the backlog, so a redelivered entry is never subtracted twice.
 ///
-/// KEYS[1] the stream; KEYS[2] the resource hash. ARGV[1] group; ARGV[2] entry id; ARGV[3] the
-/// entry's change of available (`d`); ARGV[4] the sold-out channel; ARGV[5] the message that
-/// the resource is sold out and settled, published when this was its last unsettled entry and
-/// nothing is available (every sale of it is then in the database).
+/// KEYS[1] the stream; KEYS[2] the resource hash; KEYS[3] the reservations. ARGV[1] group;
+/// ARGV[2] entry id; ARGV[3] the entry's change of available (`d`); ARGV[4] the sold-out
+/// channel; ARGV[5] the message that the resource is sold out and settled, published when this
+/// was its last unsettled entry and nothing is available (every sale of it is then in the
+/// database); ARGV[6] the reservation a settled move (confirm, release, expiry) ended, or "":
+/// its fields are deleted, the database holding its final state from now on.
 ///
 /// A script that fails half-way keeps its earlier writes, so every argument is checked before
 /// the first write, and the arithmetic is written so that a zero delta stays `0` (Lua's `-0`
@@ -149,6 +151,10 @@ if not delta then return redis.error_reply('ack: delta is not a number') end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   redis.call('XDEL', KEYS[1], ARGV[2])
   redis.call('HINCRBY', KEYS[2], 'backlog', 0 - delta)
+  if ARGV[6] ~= '' then
+    local id = ARGV[6]
+    redis.call('HDEL', KEYS[3], id, id .. ':s', id .. ':q', id .. ':l', id .. ':e')
+  end
   local pending = redis.call('HINCRBY', KEYS[2], 'pending', -1)
   if pending <= 0 and tonumber(redis.call('HGET', KEYS[2], 'avail') or '1') == 0 then
     redis.call('PUBLISH', ARGV[4], ARGV[5])
@@ -241,7 +247,7 @@ local st = redis.call('HMGET', KEYS[1], 'epoch', 'pending')
 if st[1] ~= ARGV[1] then return -1 end
 local pending = tonumber(st[2] or '0')
 if pending ~= 0 then return pending end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'open', '0')
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 0

@@ -315,3 +315,41 @@ async fn per_user_limits_hold_across_mode_switches() {
     shop.order("c1", &deduct_one("c1", "sku-1", 1, Some("u3"))).await.expect_json(201);
     assert_counts(&shop.state("sku-1").await, 7, 0, 3, 10);
 }
+
+/// Redis keeps a reservation only until its end is settled: once confirmed, released or
+/// expired and written to the database, its fields leave Redis (nothing grows with the number
+/// of reservations ever made), and reads and moves of it are answered from the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_leaves_redis_once_its_end_is_settled() {
+    let (app, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 10).await;
+    let mut ids = Vec::new();
+    for (n, ttl) in [(1, 300), (2, 300), (3, 1)] {
+        let key = format!("r{n}");
+        let doc = shop.order(&key, &reserve(&key, &[("sku-1", 1)], Some(ttl))).await.expect_json(201);
+        ids.push(doc["reservation_id"].as_str().expect("an id").to_string());
+    }
+    shop.confirm(&ids[0]).await.expect_json(200);
+    shop.release(&ids[1]).await.expect_json(200);
+
+    let mut redis = redis_conn(&shared_redis_url()).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let fields: i64 =
+            redis::cmd("HLEN").arg(format!("{prefix}:{{shop:sku-1}}:v")).query_async(&mut redis).await.expect("HLEN");
+        let state = shop.state("sku-1").await;
+        if fields == 0 && state["reserved"] == 0 && state["consumed"] == 1 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{fields} reservation fields left in Redis; {state}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for (id, end) in ids.iter().zip(["confirmed", "released", "expired"]) {
+        let doc = shop.reservation(id).await.expect_json(200);
+        assert_eq!(doc["state"], end, "{doc}");
+    }
+    let again = shop.release(&ids[0]).await;
+    assert_eq!(again.status(), 409, "a confirmed reservation is not released: {}", again.text);
+    assert_counts(&shop.state("sku-1").await, 9, 0, 1, 10);
+}
