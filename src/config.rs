@@ -27,7 +27,24 @@ pub struct Config {
     pub auth: AuthConfig,
     pub plugins: PluginsConfig,
     pub rate_limits: RateLimitsConfig,
+    pub jobs: JobsConfig,
     pub tenants: Vec<TenantConfig>,
+}
+
+/// Supervision of the background jobs: when `/readyz` calls one stuck.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JobsConfig {
+    /// A job without a successful run for this many of its intervals is stuck...
+    pub stuck_after_intervals: u32,
+    /// ...but never before this long (milliseconds).
+    pub stuck_min_ms: u64,
+}
+
+impl Default for JobsConfig {
+    fn default() -> Self {
+        Self { stuck_after_intervals: 10, stuck_min_ms: 30_000 }
+    }
 }
 
 /// Per-tenant request rate limits: the default token bucket of every tenant without a rate of
@@ -478,6 +495,7 @@ impl Config {
             ("plugins.max_block_depth", self.plugins.max_block_depth as u64),
             ("plugins.max_versions_per_tenant", self.plugins.max_versions_per_tenant as u64),
             ("rate_limits.max_tenants", self.rate_limits.max_tenants as u64),
+            ("jobs.stuck_after_intervals", u64::from(self.jobs.stuck_after_intervals)),
         ];
         for (name, value) in positive {
             if value == 0 {

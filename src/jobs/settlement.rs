@@ -11,9 +11,8 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
+use super::supervisor::JobCtx;
 use crate::redis_mode::{RedisMode, RedisModeError, GROUP};
 use crate::storage::redis_store::{SettleRecord, Settled};
 use crate::storage::Storage;
@@ -24,46 +23,49 @@ const REFRESH_EVERY: Duration = Duration::from_secs(1);
 /// How often each stream is searched for entries of dead consumers.
 const CLAIM_EVERY: Duration = Duration::from_millis(500);
 
-/// Starts the consumer; it stops when `shutdown` turns true.
-pub fn spawn(hot: Arc<RedisMode>, storage: Arc<dyn Storage>, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
-    tokio::spawn(async move {
-        let poll = Duration::from_millis(hot.settings.settle_poll_ms.max(1));
-        let mut refreshed: Option<Instant> = None;
-        let mut claimed = Instant::now();
-        loop {
-            if refreshed.is_none_or(|at| at.elapsed() >= REFRESH_EVERY) {
-                if let Err(err) = hot.refresh_modes(storage.as_ref()).await {
-                    tracing::warn!(error = %err, "listing redis-mode resources failed; will retry");
-                }
-                refreshed = Some(Instant::now());
+/// The consumer's loop, run by the supervisor; it returns when the shutdown signal turns true.
+/// Every completed pass over the streams counts as a successful run (Redis errors of one
+/// stream are logged and retried at the next pass; `/readyz` reports Redis itself).
+pub async fn run(hot: Arc<RedisMode>, storage: Arc<dyn Storage>, ctx: JobCtx) {
+    let mut shutdown = ctx.shutdown();
+    let poll = Duration::from_millis(hot.settings.settle_poll_ms.max(1));
+    let mut refreshed: Option<Instant> = None;
+    let mut claimed = Instant::now();
+    loop {
+        ctx.fault_point().await;
+        if refreshed.is_none_or(|at| at.elapsed() >= REFRESH_EVERY) {
+            if let Err(err) = hot.refresh_modes(storage.as_ref()).await {
+                tracing::warn!(error = %err, "listing redis-mode resources failed; will retry");
             }
-            let claim = claimed.elapsed() >= CLAIM_EVERY;
-            if claim {
-                claimed = Instant::now();
-            }
-            let mut busy = false;
-            if claim {
-                for (tenant, key) in hot.redis_resources() {
-                    expire_due(&hot, &tenant, &key).await;
-                }
-            }
+            refreshed = Some(Instant::now());
+        }
+        let claim = claimed.elapsed() >= CLAIM_EVERY;
+        if claim {
+            claimed = Instant::now();
+        }
+        let mut busy = false;
+        if claim {
             for (tenant, key) in hot.redis_resources() {
-                match settle_stream(&hot, storage.as_ref(), &tenant, &key, claim).await {
-                    Ok(n) => busy |= n > 0,
-                    Err(err) => tracing::debug!(error = %err, tenant = %tenant, key = %key, "settlement pass failed"),
-                }
-            }
-            if !busy {
-                tokio::select! {
-                    _ = tokio::time::sleep(poll) => {}
-                    _ = shutdown.changed() => return,
-                }
-            }
-            if *shutdown.borrow() {
-                return;
+                expire_due(&hot, &tenant, &key).await;
             }
         }
-    })
+        for (tenant, key) in hot.redis_resources() {
+            match settle_stream(&hot, storage.as_ref(), &tenant, &key, claim).await {
+                Ok(n) => busy |= n > 0,
+                Err(err) => tracing::debug!(error = %err, tenant = %tenant, key = %key, "settlement pass failed"),
+            }
+        }
+        ctx.ok();
+        if !busy {
+            tokio::select! {
+                _ = tokio::time::sleep(poll) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+    }
 }
 
 /// One pass over one resource's stream: reclaimed entries (if `claim`), then new ones.

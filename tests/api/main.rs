@@ -17,6 +17,7 @@ mod crash;
 mod helpers;
 mod idempotency;
 mod isolation;
+mod jobs;
 mod ops;
 mod orders;
 mod plugin_isolation;
