@@ -232,6 +232,9 @@ pub async fn run(
         rebalance_interval: (config.buckets.rebalance_interval_ms > 0)
             .then(|| Duration::from_millis(config.buckets.rebalance_interval_ms)),
         rebalance_batch: config.buckets.rebalance_batch.max(1),
+        settlement_purge_interval: Duration::from_secs(config.redis.purge_interval_seconds),
+        settled_retention: Duration::from_secs(config.redis.settled_retention_seconds),
+        failure_retention: Duration::from_secs(config.redis.failure_retention_seconds),
     };
     let policy = StuckPolicy {
         intervals: config.jobs.stuck_after_intervals,
@@ -246,9 +249,10 @@ pub async fn run(
             tracing::warn!(error = %err, "listing redis-mode resources failed");
         }
         let poll = Duration::from_millis(config.redis.settle_poll_ms.max(1));
+        let dead_consumer_idle = Duration::from_millis(config.redis.dead_consumer_idle_ms);
         jobs.run("settlement", Some(poll), {
             let (hot, storage) = (hot.clone(), storage.clone());
-            move |ctx| jobs::settlement::run(hot.clone(), storage.clone(), ctx)
+            move |ctx| jobs::settlement::run(hot.clone(), storage.clone(), dead_consumer_idle, ctx)
         });
         // Event-driven (it waits for announcements), so never stuck; its own task, whose panic
         // surfaces here through its join handle and is supervised like any other.

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use self::supervisor::{Supervisor, Tick};
+use crate::storage::redis_store::SettlementTable;
 use crate::storage::Storage;
 use crate::time::now_ms;
 
@@ -25,6 +26,12 @@ pub struct JobSettings {
     /// `None` disables the bucket rebalancer.
     pub rebalance_interval: Option<Duration>,
     pub rebalance_batch: u32,
+    /// How often old rows of the redis-mode tables are purged.
+    pub settlement_purge_interval: Duration,
+    /// How long `redis_settled` rows are kept.
+    pub settled_retention: Duration,
+    /// How long `settlement_failures` rows are kept.
+    pub failure_retention: Duration,
 }
 
 /// Most idempotency records deleted per purge transaction, so a purge never holds the writer long.
@@ -38,8 +45,15 @@ pub fn spawn(supervisor: &mut Supervisor, storage: Arc<dyn Storage>, settings: J
     });
     supervisor.every("idempotency_purge", settings.purge_interval, {
         let storage = storage.clone();
-        let retention_ms = i64::try_from(settings.idempotency_retention.as_millis()).unwrap_or(i64::MAX);
+        let retention_ms = millis(settings.idempotency_retention);
         move || purge(storage.clone(), retention_ms)
+    });
+    // Always, Redis configured or not: a deployment that left redis mode still has the rows.
+    supervisor.every("settlement_purge", settings.settlement_purge_interval, {
+        let storage = storage.clone();
+        let settled_ms = millis(settings.settled_retention);
+        let failures_ms = millis(settings.failure_retention);
+        move || purge_settlement(storage.clone(), settled_ms, failures_ms)
     });
     if let Some(interval) = settings.rebalance_interval {
         let storage = storage.clone();
@@ -122,4 +136,33 @@ async fn purge(storage: Arc<dyn Storage>, retention_ms: i64) -> Tick {
             }
         }
     }
+}
+
+/// Deletes the rows of the redis-mode tables older than their retention, a bounded batch per
+/// transaction, until none is left.
+async fn purge_settlement(storage: Arc<dyn Storage>, settled_ms: i64, failures_ms: i64) -> Tick {
+    let mut tick = Tick::Done;
+    for (table, retention_ms) in [(SettlementTable::Settled, settled_ms), (SettlementTable::Failures, failures_ms)] {
+        let before = now_ms().saturating_sub(retention_ms);
+        loop {
+            match storage.purge_settlement(table, before, PURGE_BATCH).await {
+                Ok(n) => {
+                    metrics::counter!("stockd_purged_rows_total", "table" => table.name()).increment(n);
+                    if n < u64::from(PURGE_BATCH) {
+                        break;
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, table = table.name(), "retention purge failed; will retry");
+                    tick = Tick::Failed;
+                    break;
+                }
+            }
+        }
+    }
+    tick
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

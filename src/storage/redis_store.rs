@@ -75,6 +75,37 @@ pub fn move_target(op: &str) -> Option<(ReservationState, LedgerOp)> {
 pub(crate) const FAILURES_SQL: &str = "SELECT resource_key, request_id, order_id, idempotency_key, qty, reason,
         available, at
     FROM settlement_failures WHERE tenant_id = $1 ORDER BY at DESC, request_id LIMIT $2";
+/// The redis-mode tables whose old rows a retention purge deletes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettlementTable {
+    /// `redis_settled`: the request ids of settled records, which only need to outlive any
+    /// redelivery of their stream entry.
+    Settled,
+    /// `settlement_failures`: refused sales, kept for the tenant to compensate.
+    Failures,
+}
+
+impl SettlementTable {
+    /// The table's name (also the `table` label of `stockd_purged_rows_total`).
+    pub fn name(self) -> &'static str {
+        match self {
+            SettlementTable::Settled => "redis_settled",
+            SettlementTable::Failures => "settlement_failures",
+        }
+    }
+
+    /// Deletes at most $2 rows written before $1 (both backends; `$n` binds on both), oldest
+    /// first through the `*_by_at` index; `tail` ends the inner SELECT (PostgreSQL skips rows
+    /// another process's purge holds).
+    pub(crate) fn purge_sql(self, tail: &str) -> String {
+        let table = self.name();
+        format!(
+            "DELETE FROM {table} WHERE (tenant_id, resource_key, request_id) IN
+               (SELECT tenant_id, resource_key, request_id FROM {table} WHERE at < $1 ORDER BY at LIMIT $2{tail})"
+        )
+    }
+}
+
 /// Every redis-mode resource (both backends).
 pub(crate) const REDIS_RESOURCES_SQL: &str = "SELECT tenant_id, key FROM resources WHERE mode = 'redis' LIMIT $1";
 /// An idempotency key's finished record (both backends). Only finished: one still claimed by an
@@ -133,4 +164,6 @@ pub trait RedisStore: Send + Sync {
     async fn redis_resources(&self, limit: u32) -> Result<Vec<(TenantId, ResourceKey)>, StorageError>;
     /// The tenant's settlement failures, newest first, at most `limit`.
     async fn settlement_failures(&self, tenant: &TenantId, limit: u32) -> Result<Vec<SettlementFailure>, StorageError>;
+    /// Deletes at most `limit` rows of `table` written before `before_ms`; returns how many.
+    async fn purge_settlement(&self, table: SettlementTable, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
 }

@@ -29,5 +29,6 @@ mod redis_support;
 mod replays;
 mod reservations;
 mod resources;
+mod retention;
 mod tenants;
 mod validation;

@@ -6,7 +6,8 @@ use super::SqliteStorage;
 use crate::apply::port::run_now;
 use crate::engine::{Mode, ResourceKey, ResourceState, TenantId};
 use crate::storage::redis_store::{
-    parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, FAILURES_SQL, REDIS_RESOURCES_SQL,
+    parse_pair, RedisStore, SettleRecord, Settled, SettlementFailure, SettlementTable, FAILURES_SQL,
+    REDIS_RESOURCES_SQL,
 };
 use crate::storage::rows;
 use crate::storage::StorageError;
@@ -69,6 +70,15 @@ impl RedisStore for SqliteStorage {
                     params![tenant.as_str(), i64::from(limit)],
                     rows::settlement_failure,
                 )
+            })
+            .await
+    }
+
+    async fn purge_settlement(&self, table: SettlementTable, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+        self.writer()?
+            .submit(move |conn| {
+                let sql = table.purge_sql("").replace('$', "?");
+                Ok(conn.prepare_cached(&sql)?.execute(params![before_ms, i64::from(limit)])? as u64)
             })
             .await
     }
