@@ -256,21 +256,29 @@ where
     let mut retry = RETRY_BACKOFF_MIN;
     loop {
         tokio::select! {
-            _ = timer.tick() => {
-                ctx.fault_point().await;
-                match tick().await {
-                    Tick::Done => {
-                        ctx.ok();
-                        retry = RETRY_BACKOFF_MIN;
-                    }
-                    Tick::Failed if retry < interval => {
-                        timer.reset_after(retry);
-                        retry = retry.saturating_mul(2);
-                    }
-                    Tick::Failed => {}
-                }
-            }
+            _ = timer.tick() => {}
             _ = shutdown.changed() => return,
+        }
+        // A run that hangs must not hold up shutdown. Dropping it is safe: each run is one or
+        // more whole transactions handed to the writer, which commits or not regardless.
+        let run = async {
+            ctx.fault_point().await;
+            tick().await
+        };
+        let ended = tokio::select! {
+            ended = run => ended,
+            _ = shutdown.changed() => return,
+        };
+        match ended {
+            Tick::Done => {
+                ctx.ok();
+                retry = RETRY_BACKOFF_MIN;
+            }
+            Tick::Failed if retry < interval => {
+                timer.reset_after(retry);
+                retry = retry.saturating_mul(2);
+            }
+            Tick::Failed => {}
         }
         if *shutdown.borrow() {
             return;

@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::helpers::{assert_problem, reserve, spawn_app_with, unique, AppOptions, Backend, TestApp};
+use crate::redis_support::{create_redis_resource, deduct_one, order_through_503, shared_redis_url, wait_settled};
 
 /// Bound on every wait for the server to reach a state.
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -143,4 +144,43 @@ async fn a_panic_in_the_sqlite_writer_fails_its_batch_with_503_and_the_writer_go
     let (status, _) = poll_readyz(&app, "answered 200", |status, _| status == 200).await;
     assert_eq!(status, 200);
     assert_eq!(metric(&app, "stockd_job_panics_total{job=\"sqlite_writer\"}").await, Some(PANICS as f64));
+}
+
+/// The Redis settlement consumer panics on its first three passes: it is restarted, sales
+/// still settle into the database, and `/readyz` shows its three restarts.
+#[tokio::test]
+async fn a_settlement_consumer_that_panicked_is_restarted_and_sales_still_settle() {
+    let prefix = unique("t");
+    let app = spawn_app_with(
+        AppOptions::default()
+            .env("STOCKD_REDIS_URL", &shared_redis_url())
+            .env("STOCKD_REDIS_PREFIX", &prefix)
+            .env("STOCKD_FAULT_PANIC_JOB", "settlement:3"),
+    )
+    .await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 10).await;
+    for n in 0..3 {
+        let key = format!("o{n}");
+        assert_eq!(order_through_503(&shop, &key, &deduct_one(&key, "sku-1", 1, None)).await.status(), 201);
+    }
+    wait_settled(&shop, "sku-1", 3).await;
+    let (_, ready) = poll_readyz(&app, "showed the consumer's restarts", |status, body| {
+        status == 200 && body["jobs"]["settlement"]["restarts"] == 3
+    })
+    .await;
+    assert_eq!(ready["jobs"]["soldout_listener"]["stuck"], false, "{ready}");
+    assert_eq!(ready["jobs"]["soldout_listener"]["stuck_after_ms"], Value::Null, "{ready}");
+}
+
+/// A job hung in a run does not hold up shutdown: with the sweeper's first run hanging for ten
+/// minutes, SIGTERM still stops the server promptly and cleanly (exit status 0).
+#[tokio::test]
+async fn a_hung_job_does_not_hold_up_shutdown() {
+    let mut app = spawn_app_with(AppOptions::default().env("STOCKD_FAULT_HANG_JOB", "expiry:600000")).await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 5).await;
+    let status = app.terminate_within(Duration::from_secs(20)).await;
+    let status = status.unwrap_or_else(|| panic!("stockd did not stop within 20 s of SIGTERM:\n{}", app.logs()));
+    assert!(status.success(), "exit status {status:?}\n{}", app.logs());
 }
