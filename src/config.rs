@@ -27,7 +27,24 @@ pub struct Config {
     pub auth: AuthConfig,
     pub plugins: PluginsConfig,
     pub rate_limits: RateLimitsConfig,
+    pub jobs: JobsConfig,
     pub tenants: Vec<TenantConfig>,
+}
+
+/// Supervision of the background jobs: when `/readyz` calls one stuck.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JobsConfig {
+    /// A job without a successful run for this many of its intervals is stuck...
+    pub stuck_after_intervals: u32,
+    /// ...but never before this long (milliseconds).
+    pub stuck_min_ms: u64,
+}
+
+impl Default for JobsConfig {
+    fn default() -> Self {
+        Self { stuck_after_intervals: 10, stuck_min_ms: 30_000 }
+    }
 }
 
 /// Per-tenant request rate limits: the default token bucket of every tenant without a rate of
@@ -274,6 +291,17 @@ pub struct RedisConfig {
     /// Accepted and ignored (a warning when `false`): an order routed to Redis always has its key
     /// looked up in the database first ([`crate::pipeline`]), so a retry gets its first answer.
     pub replay_from_database: bool,
+    /// How long the request id of a settled record is kept (`redis_settled`): it recognises a
+    /// redelivered stream entry, so it must outlive any entry left unacknowledged (a Redis
+    /// outage). Must exceed `claim_idle_ms`.
+    pub settled_retention_seconds: u64,
+    /// How long a settlement failure is kept; the tenant must have compensated before then.
+    pub failure_retention_seconds: u64,
+    /// How often both are purged.
+    pub purge_interval_seconds: u64,
+    /// A consumer of the settlement group idle this long with no pending entry belonged to a
+    /// process that is gone: it is removed from the group. Must exceed `claim_idle_ms`.
+    pub dead_consumer_idle_ms: u64,
 }
 
 impl RedisConfig {
@@ -299,6 +327,10 @@ impl Default for RedisConfig {
             lease_ms: None,
             mode_refresh_ms: 1_000,
             replay_from_database: true,
+            settled_retention_seconds: 7 * 24 * 3600,
+            failure_retention_seconds: 90 * 24 * 3600,
+            purge_interval_seconds: 300,
+            dead_consumer_idle_ms: 3_600_000,
         }
     }
 }
@@ -495,6 +527,9 @@ impl Config {
             ("plugins.max_block_depth", self.plugins.max_block_depth as u64),
             ("plugins.max_versions_per_tenant", self.plugins.max_versions_per_tenant as u64),
             ("rate_limits.max_tenants", self.rate_limits.max_tenants as u64),
+            ("jobs.stuck_after_intervals", u64::from(self.jobs.stuck_after_intervals)),
+            ("redis.failure_retention_seconds", self.redis.failure_retention_seconds),
+            ("redis.purge_interval_seconds", self.redis.purge_interval_seconds),
         ];
         for (name, value) in positive {
             if value == 0 {
@@ -513,6 +548,14 @@ impl Config {
             bail!(
                 "redis.lease_ms must be greater than redis.drain_timeout_ms, and redis.mode_refresh_ms greater than 0"
             );
+        }
+        // A settled record's id must outlive a redelivery of its entry, which comes at the
+        // earliest `claim_idle_ms` after it was read; a live consumer is never that idle.
+        if self.redis.settled_retention_seconds.saturating_mul(1000) <= self.redis.claim_idle_ms {
+            bail!("redis.settled_retention_seconds must exceed redis.claim_idle_ms");
+        }
+        if self.redis.dead_consumer_idle_ms <= self.redis.claim_idle_ms {
+            bail!("redis.dead_consumer_idle_ms must exceed redis.claim_idle_ms");
         }
         if self.plugins.max_live_instances < 2 {
             bail!("plugins.max_live_instances must be at least 2");

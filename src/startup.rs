@@ -13,6 +13,7 @@ use crate::api::{self, ApiSettings, AppState};
 use crate::auth::{self, Authenticator};
 use crate::config::{Config, RunMode};
 use crate::engine::{ResourceKey, TenantId};
+use crate::jobs::supervisor::{JobRegistry, StuckPolicy, Supervisor};
 use crate::jobs::{self, JobSettings};
 use crate::pipeline::{OrderSettings, Pipeline};
 use crate::plugin::{PlanPool, PluginHost, Registry};
@@ -206,6 +207,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         redis: redis.clone(),
         pipeline: Pipeline::new(storage.clone(), plugins, redis, orders),
         in_flight: Arc::new(tokio::sync::Semaphore::new(config.server.max_in_flight_requests)),
+        jobs: Arc::new(JobRegistry::default()),
     });
     run(listener, state, &config, shutdown_signal()).await
 }
@@ -230,16 +232,43 @@ pub async fn run(
         rebalance_interval: (config.buckets.rebalance_interval_ms > 0)
             .then(|| Duration::from_millis(config.buckets.rebalance_interval_ms)),
         rebalance_batch: config.buckets.rebalance_batch.max(1),
+        settlement_purge_interval: Duration::from_secs(config.redis.purge_interval_seconds),
+        settled_retention: Duration::from_secs(config.redis.settled_retention_seconds),
+        failure_retention: Duration::from_secs(config.redis.failure_retention_seconds),
     };
-    let mut jobs = jobs::spawn(storage.clone(), job_settings, jobs_stopped.clone());
+    let policy = StuckPolicy {
+        intervals: config.jobs.stuck_after_intervals,
+        min: Duration::from_millis(config.jobs.stuck_min_ms),
+    };
+    let mut jobs = Supervisor::new(state.jobs.clone(), policy, jobs_stopped);
+    jobs::spawn(&mut jobs, storage.clone(), job_settings);
     if let Some(hot) = &state.redis {
         // Know the redis-mode resources before the first request (best effort: the settlement
         // loop reads them again every second).
         if let Err(err) = hot.refresh_modes(storage.as_ref()).await {
             tracing::warn!(error = %err, "listing redis-mode resources failed");
         }
-        jobs.push(jobs::settlement::spawn(hot.clone(), storage.clone(), jobs_stopped.clone()));
-        jobs.push(crate::redis_mode::soldout::spawn(hot.clone(), jobs_stopped));
+        let poll = Duration::from_millis(config.redis.settle_poll_ms.max(1));
+        let dead_consumer_idle = Duration::from_millis(config.redis.dead_consumer_idle_ms);
+        jobs.run("settlement", Some(poll), {
+            let (hot, storage) = (hot.clone(), storage.clone());
+            move |ctx| jobs::settlement::run(hot.clone(), storage.clone(), dead_consumer_idle, ctx)
+        });
+        // Event-driven (it waits for announcements), so never stuck; its own task, whose panic
+        // surfaces here through its join handle and is supervised like any other.
+        jobs.run("soldout_listener", None, {
+            let hot = hot.clone();
+            move |ctx| {
+                let listener = crate::redis_mode::soldout::spawn(hot.clone(), ctx.shutdown());
+                async move {
+                    if let Err(err) = listener.await {
+                        if let Ok(panic) = err.try_into_panic() {
+                            std::panic::resume_unwind(panic);
+                        }
+                    }
+                }
+            }
+        });
     }
 
     let (signalled_tx, mut signalled_rx) = watch::channel(false);
@@ -263,9 +292,7 @@ pub async fn run(
         _ = served => tracing::warn!("grace period over; stopping with requests still in flight"),
     }
     let _ = stop_jobs.send(true);
-    for job in jobs {
-        let _ = job.await;
-    }
+    jobs.join().await;
     storage.close().await;
     tracing::info!("stopped");
     Ok(())

@@ -57,6 +57,8 @@ pub struct AppState {
     pub pipeline: crate::pipeline::Pipeline,
     /// One permit per request in flight (see [`ApiSettings::max_in_flight`]).
     pub in_flight: Arc<tokio::sync::Semaphore>,
+    /// The supervised background jobs, whose health `/readyz` reports.
+    pub jobs: Arc<crate::jobs::supervisor::JobRegistry>,
 }
 
 pub type SharedState = Arc<AppState>;

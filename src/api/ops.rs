@@ -26,10 +26,12 @@ pub async fn healthz() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], r#"{"status":"ok"}"#).into_response()
 }
 
-/// Storage is reachable and migrated (and Redis answers, when configured).
+/// Storage is reachable and migrated (and Redis answers, when configured), and no background
+/// job is stuck. The answer lists every supervised job: milliseconds since its last successful
+/// run, how often it panicked and was restarted, and its stuck threshold.
 #[utoipa::path(get, path = "/readyz", tag = "operations", responses(
     (status = 200, description = "ready"),
-    (status = 503, description = "storage unreachable", body = crate::problem::Problem, content_type = "application/problem+json"),
+    (status = 503, description = "storage or Redis unreachable (`unavailable`), or a background job stuck (`job_stuck`)", body = crate::problem::Problem, content_type = "application/problem+json"),
 ))]
 pub async fn readyz(State(state): State<SharedState>) -> Result<Json<serde_json::Value>, ApiError> {
     state.storage.ready().await?;
@@ -39,8 +41,29 @@ pub async fn readyz(State(state): State<SharedState>) -> Result<Json<serde_json:
             ApiError::unavailable("redis is unavailable")
         })?;
     }
-    Ok(Json(json!({"status": "ready"})))
+    let jobs = state.jobs.report();
+    let stuck: Vec<String> = jobs
+        .iter()
+        .filter(|j| j.stuck)
+        .map(|j| match j.last_ok_ms_ago {
+            Some(ms) => format!("{} (last success {ms} ms ago)", j.name),
+            None => format!("{} (no success since start)", j.name),
+        })
+        .collect();
+    if !stuck.is_empty() {
+        tracing::warn!(jobs = ?stuck, "background jobs stuck; not ready");
+        return Err(ApiError {
+            retry_after_s: Some(STUCK_RETRY_AFTER_S),
+            ..ApiError::new(503, "job_stuck", "Background job stuck", format!("stuck: {}", stuck.join(", ")))
+        });
+    }
+    let jobs: serde_json::Map<String, serde_json::Value> =
+        jobs.into_iter().map(|j| (j.name.to_string(), json!(j))).collect();
+    Ok(Json(json!({"status": "ready", "jobs": jobs})))
 }
+
+/// A stuck job is not over in a second; probes may come back after this.
+const STUCK_RETRY_AFTER_S: u32 = 5;
 
 /// Prometheus text exposition.
 #[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]

@@ -1,15 +1,16 @@
-//! Background jobs: reservation expiry, reconciliation, idempotency-record purge. Each is a loop
-//! with a fixed interval that stops when the shutdown signal fires; each does bounded work per
-//! tick and never panics the process on a storage error (it logs and tries again next tick).
+//! Background jobs: reservation expiry, reconciliation, idempotency-record purge. Each is a
+//! periodic run under the [`supervisor`] (restarted after a panic, reported by `/readyz`), does
+//! bounded work per run, and never panics the process on a storage error: it logs, and the
+//! supervisor tries again after a short backoff.
 
 pub mod settlement;
+pub mod supervisor;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
-
+use self::supervisor::{Supervisor, Tick};
+use crate::storage::redis_store::SettlementTable;
 use crate::storage::Storage;
 use crate::time::now_ms;
 
@@ -25,58 +26,48 @@ pub struct JobSettings {
     /// `None` disables the bucket rebalancer.
     pub rebalance_interval: Option<Duration>,
     pub rebalance_batch: u32,
+    /// How often old rows of the redis-mode tables are purged.
+    pub settlement_purge_interval: Duration,
+    /// How long `redis_settled` rows are kept.
+    pub settled_retention: Duration,
+    /// How long `settlement_failures` rows are kept.
+    pub failure_retention: Duration,
 }
 
 /// Most idempotency records deleted per purge transaction, so a purge never holds the writer long.
 const PURGE_BATCH: u32 = 5_000;
 
-/// Starts every job; they stop when `shutdown` becomes true.
-pub fn spawn(storage: Arc<dyn Storage>, settings: JobSettings, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
-    let mut jobs = vec![
-        spawn_loop(settings.sweep_interval, shutdown.clone(), {
-            let storage = storage.clone();
-            move || expire(storage.clone(), settings.sweep_batch)
-        }),
-        spawn_loop(settings.purge_interval, shutdown.clone(), {
-            let storage = storage.clone();
-            let retention_ms = i64::try_from(settings.idempotency_retention.as_millis()).unwrap_or(i64::MAX);
-            move || purge(storage.clone(), retention_ms)
-        }),
-    ];
+/// Starts every job under `supervisor`; they stop when its shutdown signal turns true.
+pub fn spawn(supervisor: &mut Supervisor, storage: Arc<dyn Storage>, settings: JobSettings) {
+    supervisor.every("expiry", settings.sweep_interval, {
+        let storage = storage.clone();
+        move || expire(storage.clone(), settings.sweep_batch)
+    });
+    supervisor.every("idempotency_purge", settings.purge_interval, {
+        let storage = storage.clone();
+        let retention_ms = millis(settings.idempotency_retention);
+        move || purge(storage.clone(), retention_ms)
+    });
+    // Always, Redis configured or not: a deployment that left redis mode still has the rows.
+    supervisor.every("settlement_purge", settings.settlement_purge_interval, {
+        let storage = storage.clone();
+        let settled_ms = millis(settings.settled_retention);
+        let failures_ms = millis(settings.failure_retention);
+        move || purge_settlement(storage.clone(), settled_ms, failures_ms)
+    });
     if let Some(interval) = settings.rebalance_interval {
         let storage = storage.clone();
         let batch = settings.rebalance_batch;
-        jobs.push(spawn_loop(interval, shutdown.clone(), move || rebalance(storage.clone(), batch)));
+        supervisor.every("rebalance", interval, move || rebalance(storage.clone(), batch));
     }
     if let Some(interval) = settings.reconcile_interval {
-        jobs.push(spawn_loop(interval, shutdown, move || reconcile(storage.clone())));
+        supervisor.every("reconciliation", interval, move || reconcile(storage.clone()));
     }
-    jobs
-}
-
-fn spawn_loop<F, Fut>(interval: Duration, mut shutdown: watch::Receiver<bool>, mut tick: F) -> JoinHandle<()>
-where
-    F: FnMut() -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
-    tokio::spawn(async move {
-        let mut timer = tokio::time::interval(interval);
-        timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = timer.tick() => tick().await,
-                _ = shutdown.changed() => return,
-            }
-            if *shutdown.borrow() {
-                return;
-            }
-        }
-    })
 }
 
 /// Expires held reservations past their deadline, a bounded batch per transaction, until none
 /// is due (so a backlog clears within one tick rather than one batch per tick).
-async fn expire(storage: Arc<dyn Storage>, batch: u32) {
+async fn expire(storage: Arc<dyn Storage>, batch: u32) -> Tick {
     loop {
         match storage.expire_due(now_ms(), batch).await {
             Ok(n) => {
@@ -85,30 +76,34 @@ async fn expire(storage: Arc<dyn Storage>, batch: u32) {
                     tracing::debug!(expired = n, "reservations expired");
                 }
                 if n < u64::from(batch) {
-                    return;
+                    return Tick::Done;
                 }
             }
             Err(err) => {
                 tracing::warn!(error = %err, "reservation expiry failed; will retry");
-                return;
+                return Tick::Failed;
             }
         }
     }
 }
 
 /// Evens out bucketed resources whose buckets drifted apart, a bounded batch per transaction.
-async fn rebalance(storage: Arc<dyn Storage>, batch: u32) {
+async fn rebalance(storage: Arc<dyn Storage>, batch: u32) -> Tick {
     match storage.rebalance_buckets(now_ms(), batch).await {
-        Ok(0) => {}
+        Ok(0) => Tick::Done,
         Ok(n) => {
             metrics::counter!("stockd_bucket_rebalances_total").increment(n);
             tracing::debug!(resources = n, "buckets rebalanced");
+            Tick::Done
         }
-        Err(err) => tracing::warn!(error = %err, "bucket rebalance failed; will retry"),
+        Err(err) => {
+            tracing::warn!(error = %err, "bucket rebalance failed; will retry");
+            Tick::Failed
+        }
     }
 }
 
-async fn reconcile(storage: Arc<dyn Storage>) {
+async fn reconcile(storage: Arc<dyn Storage>) -> Tick {
     match storage.reconcile(None).await {
         Ok(report) => {
             metrics::gauge!("stockd_reconciliation_checked_resources").set(report.checked as f64);
@@ -116,21 +111,58 @@ async fn reconcile(storage: Arc<dyn Storage>) {
             for d in &report.drift {
                 tracing::error!(key = %d.key, expected = ?d.expected, actual = ?d.actual, "reconciliation drift");
             }
+            Tick::Done
         }
-        Err(err) => tracing::warn!(error = %err, "reconciliation failed; will retry"),
+        Err(err) => {
+            tracing::warn!(error = %err, "reconciliation failed; will retry");
+            Tick::Failed
+        }
     }
 }
 
-async fn purge(storage: Arc<dyn Storage>, retention_ms: i64) {
+async fn purge(storage: Arc<dyn Storage>, retention_ms: i64) -> Tick {
     let before = now_ms().saturating_sub(retention_ms);
     loop {
         match storage.purge_idempotency(before, PURGE_BATCH).await {
-            Ok(n) if n < u64::from(PURGE_BATCH) => return,
-            Ok(_) => continue,
+            Ok(n) => {
+                metrics::counter!("stockd_purged_rows_total", "table" => "idempotency").increment(n);
+                if n < u64::from(PURGE_BATCH) {
+                    return Tick::Done;
+                }
+            }
             Err(err) => {
                 tracing::warn!(error = %err, "idempotency purge failed; will retry");
-                return;
+                return Tick::Failed;
             }
         }
     }
+}
+
+/// Deletes the rows of the redis-mode tables older than their retention, a bounded batch per
+/// transaction, until none is left.
+async fn purge_settlement(storage: Arc<dyn Storage>, settled_ms: i64, failures_ms: i64) -> Tick {
+    let mut tick = Tick::Done;
+    for (table, retention_ms) in [(SettlementTable::Settled, settled_ms), (SettlementTable::Failures, failures_ms)] {
+        let before = now_ms().saturating_sub(retention_ms);
+        loop {
+            match storage.purge_settlement(table, before, PURGE_BATCH).await {
+                Ok(n) => {
+                    metrics::counter!("stockd_purged_rows_total", "table" => table.name()).increment(n);
+                    if n < u64::from(PURGE_BATCH) {
+                        break;
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, table = table.name(), "retention purge failed; will retry");
+                    tick = Tick::Failed;
+                    break;
+                }
+            }
+        }
+    }
+    tick
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

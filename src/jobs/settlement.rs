@@ -12,64 +12,93 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
+use super::supervisor::JobCtx;
 use crate::engine::{ResourceKey, TenantId};
 use crate::redis_mode::{RedisMode, RedisModeError, GROUP};
 use crate::storage::redis_store::{DeadLetter, SettleRecord, Settled};
 use crate::storage::Storage;
-use crate::time::now_ms;
-use crate::time::Timestamp;
-
+use crate::time::{now_ms, Timestamp};
 /// How often each stream is searched for entries of dead consumers.
 const CLAIM_EVERY: Duration = Duration::from_millis(500);
+/// Longest time between two searches for consumers of dead processes (half the idle time
+/// after which one is removed, at least `CLAIM_EVERY`).
+const SWEEP_CONSUMERS_MAX_EVERY: Duration = Duration::from_secs(60);
 
-/// Starts the consumer; it stops when `shutdown` turns true.
-pub fn spawn(hot: Arc<RedisMode>, storage: Arc<dyn Storage>, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
-    tokio::spawn(async move {
-        let poll = Duration::from_millis(hot.settings.settle_poll_ms.max(1));
-        let refresh_every = Duration::from_millis(hot.settings.mode_refresh_ms.max(1));
-        let rewarming: Arc<Mutex<HashSet<(String, String)>>> = Arc::default();
-        let mut refreshed: Option<Instant> = None;
-        let mut claimed = Instant::now();
-        loop {
-            if refreshed.is_none_or(|at| at.elapsed() >= refresh_every) {
-                if let Err(err) = hot.refresh_modes(storage.as_ref()).await {
-                    tracing::warn!(error = %err, "listing redis-mode resources failed; will retry");
-                }
-                refreshed = Some(Instant::now());
-                for (tenant, key) in hot.redis_resources() {
-                    rewarm_if_abandoned(&hot, &storage, &rewarming, tenant, key).await;
-                }
+/// Removes from the group every consumer but this process's own (ARGV[2]) idle at least
+/// ARGV[3] ms with no pending entry (its entries were reclaimed by others first), and returns
+/// how many. One script, so no consumer can take an entry between the check and the removal.
+/// KEYS[1]: the stream; ARGV[1]: the group.
+const REMOVE_DEAD_CONSUMERS: &str = r#"
+local removed = 0
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local f = {}
+  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+  if f['name'] ~= ARGV[2] and tonumber(f['pending']) == 0 and tonumber(f['idle']) >= tonumber(ARGV[3]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], f['name'])
+    removed = removed + 1
+  end
+end
+return removed
+"#;
+
+/// The consumer's loop, run by the supervisor; it returns when the shutdown signal turns true.
+/// Every completed pass over the streams counts as a successful run (Redis errors of one
+/// stream are logged and retried at the next pass; `/readyz` reports Redis itself).
+/// Consumers of dead processes idle longer than `dead_consumer_idle` are removed from the group.
+pub async fn run(hot: Arc<RedisMode>, storage: Arc<dyn Storage>, dead_consumer_idle: Duration, ctx: JobCtx) {
+    let mut shutdown = ctx.shutdown();
+    let poll = Duration::from_millis(hot.settings.settle_poll_ms.max(1));
+    let refresh_every = Duration::from_millis(hot.settings.mode_refresh_ms.max(1));
+    let rewarming: Arc<Mutex<HashSet<(String, String)>>> = Arc::default();
+    let mut refreshed: Option<Instant> = None;
+    let mut claimed = Instant::now();
+    let sweep_every = (dead_consumer_idle / 2).clamp(CLAIM_EVERY, SWEEP_CONSUMERS_MAX_EVERY);
+    let mut swept = Instant::now();
+    loop {
+        ctx.fault_point().await;
+        if refreshed.is_none_or(|at| at.elapsed() >= refresh_every) {
+            if let Err(err) = hot.refresh_modes(storage.as_ref()).await {
+                tracing::warn!(error = %err, "listing redis-mode resources failed; will retry");
             }
-            let claim = claimed.elapsed() >= CLAIM_EVERY;
-            if claim {
-                claimed = Instant::now();
-            }
-            let mut busy = false;
-            if claim {
-                for (tenant, key) in hot.redis_resources() {
-                    expire_due(&hot, &tenant, &key).await;
-                }
-            }
+            refreshed = Some(Instant::now());
             for (tenant, key) in hot.redis_resources() {
-                match settle_stream(&hot, storage.as_ref(), &tenant, &key, claim).await {
-                    Ok(n) => busy |= n > 0,
-                    Err(err) => tracing::debug!(error = %err, tenant = %tenant, key = %key, "settlement pass failed"),
-                }
-            }
-            if !busy {
-                tokio::select! {
-                    _ = tokio::time::sleep(poll) => {}
-                    _ = shutdown.changed() => return,
-                }
-            }
-            if *shutdown.borrow() {
-                return;
+                rewarm_if_abandoned(&hot, &storage, &rewarming, tenant, key).await;
             }
         }
-    })
+        let claim = claimed.elapsed() >= CLAIM_EVERY;
+        if claim {
+            claimed = Instant::now();
+        }
+        let mut busy = false;
+        if claim {
+            for (tenant, key) in hot.redis_resources() {
+                expire_due(&hot, &tenant, &key).await;
+            }
+        }
+        if swept.elapsed() >= sweep_every {
+            swept = Instant::now();
+            for (tenant, key) in hot.redis_resources() {
+                remove_dead_consumers(&hot, &tenant, &key, dead_consumer_idle).await;
+            }
+        }
+        for (tenant, key) in hot.redis_resources() {
+            match settle_stream(&hot, storage.as_ref(), &tenant, &key, claim).await {
+                Ok(n) => busy |= n > 0,
+                Err(err) => tracing::debug!(error = %err, tenant = %tenant, key = %key, "settlement pass failed"),
+            }
+        }
+        ctx.ok();
+        if !busy {
+            tokio::select! {
+                _ = tokio::time::sleep(poll) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+    }
 }
 
 /// One pass over one resource's stream: reclaimed entries (if `claim`), then new ones.
@@ -191,6 +220,27 @@ async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, 
         }
     }
     acked
+}
+
+/// Forgets the consumers that processes now gone left in the resource's group (every process
+/// has a consumer of its own name, so each restart adds one). A stream without a group
+/// (`NOGROUP`) has none to forget.
+async fn remove_dead_consumers(hot: &RedisMode, tenant: &str, key: &str, idle: Duration) {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(REMOVE_DEAD_CONSUMERS)
+        .arg(1)
+        .arg(hot.stream_key(tenant, key))
+        .arg(GROUP)
+        .arg(&hot.consumer)
+        .arg(u64::try_from(idle.as_millis()).unwrap_or(u64::MAX));
+    match hot.link().query::<u64>(&cmd).await {
+        Ok(0) => {}
+        Ok(n) => {
+            metrics::counter!("stockd_redis_consumers_removed_total").increment(n);
+            tracing::info!(consumers = n, tenant, key, "removed the consumers of dead processes");
+        }
+        Err(err) => tracing::debug!(error = %err, tenant, key, "removing dead consumers failed"),
+    }
 }
 
 /// Warms a resource again when the operation that closed it stopped half-way (its process died)

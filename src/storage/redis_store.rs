@@ -95,6 +95,37 @@ pub(crate) const REFUSED_RESERVATION_SQL: &str = "SELECT qty FROM settlement_fai
 pub(crate) const LIMIT_SEED_SQL: &str = "SELECT
         COALESCE((SELECT used FROM user_limits WHERE tenant_id = $1 AND key = $2), 0) AS used,
         COALESCE((SELECT mode_epoch FROM resources WHERE tenant_id = $1 AND key = $3), -1) AS epoch";
+/// The redis-mode tables whose old rows a retention purge deletes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettlementTable {
+    /// `redis_settled`: the request ids of settled records, which only need to outlive any
+    /// redelivery of their stream entry.
+    Settled,
+    /// `settlement_failures`: refused sales, kept for the tenant to compensate.
+    Failures,
+}
+
+impl SettlementTable {
+    /// The table's name (also the `table` label of `stockd_purged_rows_total`).
+    pub fn name(self) -> &'static str {
+        match self {
+            SettlementTable::Settled => "redis_settled",
+            SettlementTable::Failures => "settlement_failures",
+        }
+    }
+
+    /// Deletes at most $2 rows written before $1 (both backends; `$n` binds on both), oldest
+    /// first through the `*_by_at` index; `tail` ends the inner SELECT (PostgreSQL skips rows
+    /// another process's purge holds).
+    pub(crate) fn purge_sql(self, tail: &str) -> String {
+        let table = self.name();
+        format!(
+            "DELETE FROM {table} WHERE (tenant_id, resource_key, request_id) IN
+               (SELECT tenant_id, resource_key, request_id FROM {table} WHERE at < $1 ORDER BY at LIMIT $2{tail})"
+        )
+    }
+}
+
 /// Every redis-mode resource (both backends).
 pub(crate) const REDIS_RESOURCES_SQL: &str = "SELECT tenant_id, key FROM resources WHERE mode = 'redis' LIMIT $1";
 /// An idempotency key's finished record (both backends). Only finished: one still claimed by an
@@ -206,4 +237,6 @@ pub trait RedisStore: Send + Sync {
     async fn dead_letters(&self, tenant: &TenantId, limit: u32) -> Result<Vec<DeadLetter>, StorageError>;
     /// The tenant's settlement failures, newest first, at most `limit`.
     async fn settlement_failures(&self, tenant: &TenantId, limit: u32) -> Result<Vec<SettlementFailure>, StorageError>;
+    /// Deletes at most `limit` rows of `table` written before `before_ms`; returns how many.
+    async fn purge_settlement(&self, table: SettlementTable, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
 }

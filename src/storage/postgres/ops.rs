@@ -116,15 +116,19 @@ pub async fn ensure_config_tenant(
 }
 
 pub async fn purge_idempotency(conn: &mut PgConnection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
-    let deleted = sqlx::query(
+    purge(
+        conn,
         "DELETE FROM idempotency WHERE (tenant_id, key) IN
            (SELECT tenant_id, key FROM idempotency WHERE created_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
+        before_ms,
+        limit,
     )
-    .bind(before_ms)
-    .bind(i64::from(limit))
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
+    .await
+}
+
+/// Runs a purge statement binding `$1` to `before_ms` and `$2` to `limit`; returns the rows deleted.
+pub async fn purge(conn: &mut PgConnection, sql: &str, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+    let deleted = sqlx::query(sql).bind(before_ms).bind(i64::from(limit)).execute(&mut *conn).await?.rows_affected();
     Ok(deleted)
 }
 

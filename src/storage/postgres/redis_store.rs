@@ -11,8 +11,8 @@ use super::port::PgPort;
 use super::{acquire, PgStorage};
 use crate::engine::{ResourceKey, TenantId};
 use crate::storage::redis_store::{
-    parse_pair, DeadLetter, RedisStore, SettleRecord, Settled, SettlementFailure, DEAD_LETTERS_SQL, DEAD_LETTER_SQL,
-    FAILURES_SQL, LEAVE_REDIS_SQL, LIMIT_SEED_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
+    parse_pair, DeadLetter, RedisStore, SettleRecord, Settled, SettlementFailure, SettlementTable, DEAD_LETTERS_SQL,
+    DEAD_LETTER_SQL, FAILURES_SQL, LEAVE_REDIS_SQL, LIMIT_SEED_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
 };
 use crate::storage::rows::{self, Columns};
 use crate::storage::StorageError;
@@ -132,5 +132,17 @@ impl RedisStore for PgStorage {
         let mut conn = acquire(&self.pool).await?;
         let rows = sqlx::query(FAILURES_SQL).bind(tenant.as_str()).bind(i64::from(limit)).fetch_all(&mut *conn).await?;
         rows.iter().map(|row| rows::settlement_failure(row)).collect()
+    }
+
+    async fn purge_settlement(&self, table: SettlementTable, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+        let sql = table.purge_sql(" FOR UPDATE SKIP LOCKED");
+        self.submit(
+            Vec::new(),
+            work(move |conn| {
+                let sql = sql.clone();
+                Box::pin(async move { super::ops::purge(conn, &sql, before_ms, limit).await })
+            }),
+        )
+        .await
     }
 }

@@ -6,8 +6,8 @@ use super::SqliteStorage;
 use crate::apply::port::run_now;
 use crate::engine::{ResourceKey, TenantId};
 use crate::storage::redis_store::{
-    parse_pair, DeadLetter, RedisStore, SettleRecord, Settled, SettlementFailure, DEAD_LETTERS_SQL, DEAD_LETTER_SQL,
-    FAILURES_SQL, LEAVE_REDIS_SQL, LIMIT_SEED_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
+    parse_pair, DeadLetter, RedisStore, SettleRecord, Settled, SettlementFailure, SettlementTable, DEAD_LETTERS_SQL,
+    DEAD_LETTER_SQL, FAILURES_SQL, LEAVE_REDIS_SQL, LIMIT_SEED_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
 };
 use crate::storage::rows;
 use crate::storage::StorageError;
@@ -126,6 +126,15 @@ impl RedisStore for SqliteStorage {
                     params![tenant.as_str(), i64::from(limit)],
                     rows::settlement_failure,
                 )
+            })
+            .await
+    }
+
+    async fn purge_settlement(&self, table: SettlementTable, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+        self.writer()?
+            .submit(move |conn| {
+                let sql = table.purge_sql("").replace('$', "?");
+                Ok(conn.prepare_cached(&sql)?.execute(params![before_ms, i64::from(limit)])? as u64)
             })
             .await
     }

@@ -7,7 +7,16 @@
 //!
 //! The writer is a plain OS thread running SQLite in-process: a statement costs microseconds,
 //! with no hop to another thread per statement.
+//!
+//! Supervision: the thread owns the only write connection, so it is not restarted; a panic while
+//! a batch runs is caught instead (`catch_unwind` around the batch), counted in
+//! `stockd_job_panics_total{job="sqlite_writer"}` and logged. The batch's transaction is rolled
+//! back (nothing of it was committed) and every request of the batch is answered 503
+//! `unavailable` (its reply channel is dropped), so each may be retried with its key; the writer
+//! then takes the next batch. Only if that rollback itself fails does the thread stop, and
+//! `/readyz` then answers 503.
 
+use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
@@ -16,7 +25,11 @@ use tokio::sync::{mpsc, oneshot};
 use super::port::SqlitePort;
 use crate::apply;
 use crate::apply::port::run_now;
+use crate::jobs::supervisor::faults;
 use crate::storage::{OrderExecution, OrderJob, StorageError};
+
+/// The writer's name in metrics and fault hooks.
+const WRITER_JOB: &str = "sqlite_writer";
 
 /// Called once the batch's fate is known: `Ok` after a durable commit, `Err` if it failed.
 type Completion = Box<dyn FnOnce(Result<(), StorageError>) + Send>;
@@ -124,11 +137,34 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, limits: WriterLimits) {
         fill(&mut rx, &mut batch, limits);
         metrics::histogram!("stockd_batch_size").record(batch.len() as f64);
         let started = Instant::now();
-        commit_batch(&conn, &mut batch);
+        let ran = std::panic::catch_unwind(AssertUnwindSafe(|| commit_batch(&conn, &mut batch)));
         metrics::histogram!("stockd_batch_commit_seconds").record(started.elapsed().as_secs_f64());
+        if ran.is_err() && !recover(&conn, &mut batch) {
+            break;
+        }
     }
     if let Err((_, err)) = conn.close() {
         tracing::warn!(error = %err, "closing the write connection");
+    }
+}
+
+/// After a panic in a batch (already reported by the panic hook): answers the batch's jobs not
+/// yet started (dropping them fails their callers with `Unavailable`; the started ones were
+/// dropped by the unwinding) and rolls the open transaction back. `false`: the connection is
+/// unusable and the writer must stop.
+fn recover(conn: &Connection, batch: &mut Vec<Job>) -> bool {
+    batch.clear();
+    metrics::counter!("stockd_job_panics_total", "job" => WRITER_JOB).increment(1);
+    tracing::error!(job = WRITER_JOB, "the SQLite writer panicked in a batch; its requests get 503, it goes on");
+    if conn.is_autocommit() {
+        return true;
+    }
+    match conn.execute_batch("ROLLBACK") {
+        Ok(()) => true,
+        Err(err) => {
+            tracing::error!(error = %err, "the SQLite writer cannot roll back after a panic; it stops");
+            false
+        }
     }
 }
 
@@ -182,6 +218,9 @@ fn commit_batch(conn: &Connection, batch: &mut Vec<Job>) {
             return;
         }
     }
+    // Test hook (`STOCKD_FAULT_PANIC_JOB=sqlite_writer:N`): a panic with the batch's writes done
+    // and not yet committed, the worst place for one.
+    faults::maybe_panic(WRITER_JOB);
     match conn.execute_batch("COMMIT") {
         Ok(()) => completions.into_iter().for_each(|c| c(Ok(()))),
         Err(err) => {

@@ -1,0 +1,199 @@
+//! Bounded growth: the tables that grow with every Redis sale are purged past their retention
+//! by the background job, in bounded batches, and the purges are counted. The rows are written
+//! straight into the test's own database with chosen ages (waiting for real rows to age would
+//! take hours), then the test polls the database until the job has run. And the consumers that
+//! dead processes leave in Redis's settlement groups are removed.
+
+use std::time::Duration;
+
+use sqlx::Connection;
+
+use crate::helpers::{spawn_app_with, AppOptions, Backend, TestApp};
+use crate::redis_support::{
+    create_redis_resource, deduct_one, order_through_503, redis_app, redis_conn, shared_redis_url, stream_key,
+    wait_settled,
+};
+
+/// Bound on waiting for the purge job.
+const DEADLINE: Duration = Duration::from_secs(30);
+const HOUR_MS: i64 = 3_600_000;
+
+/// A connection to the test's database, on either backend.
+enum Db {
+    Sqlite(sqlx::SqliteConnection),
+    Postgres(sqlx::PgConnection),
+}
+
+impl Db {
+    async fn connect(app: &TestApp) -> Db {
+        match Backend::from_env() {
+            Backend::Sqlite => {
+                Db::Sqlite(sqlx::SqliteConnection::connect(app.database_url()).await.expect("SQLite opens"))
+            }
+            Backend::Postgres => {
+                Db::Postgres(sqlx::PgConnection::connect(app.database_url()).await.expect("PostgreSQL answers"))
+            }
+        }
+    }
+
+    async fn execute(&mut self, sql: &str) {
+        let done = match self {
+            Db::Sqlite(conn) => sqlx::query(sql).execute(conn).await.map(|_| ()),
+            Db::Postgres(conn) => sqlx::query(sql).execute(conn).await.map(|_| ()),
+        };
+        done.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    async fn count(&mut self, sql: &str) -> i64 {
+        let n: Result<(i64,), _> = match self {
+            Db::Sqlite(conn) => sqlx::query_as(sql).fetch_one(conn).await,
+            Db::Postgres(conn) => sqlx::query_as(sql).fetch_one(conn).await,
+        };
+        n.unwrap_or_else(|e| panic!("{sql}: {e}")).0
+    }
+}
+
+fn now_ms() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("the clock is after 1970");
+    i64::try_from(since.as_millis()).expect("milliseconds fit in i64")
+}
+
+/// The value of a metric line starting with `series`, if present.
+async fn metric(app: &TestApp, series: &str) -> Option<f64> {
+    let text = app.get_anonymous("/metrics").await.text;
+    text.lines().find_map(|line| line.strip_prefix(series).and_then(|rest| rest.trim().parse().ok()))
+}
+
+/// `redis_settled` keeps a settled record's id for `[redis] settled_retention_seconds` (1 h
+/// here) and `settlement_failures` a refused sale for `failure_retention_seconds` (2 h here):
+/// 12,000 settled ids 2 h old (more than two purge batches) and a failure 3 h old are deleted by
+/// the job, a settled id 10 min old and a failure 1 h old are kept, and
+/// `stockd_purged_rows_total` counts exactly what went, by table.
+#[tokio::test]
+async fn settled_ids_and_settlement_failures_past_their_retention_are_purged() {
+    let app = spawn_app_with(AppOptions::default().toml(
+        "[redis]\nsettled_retention_seconds = 3600\nfailure_retention_seconds = 7200\npurge_interval_seconds = 1",
+    ))
+    .await;
+    let mut db = Db::connect(&app).await;
+    let now = now_ms();
+    db.execute(&format!(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 12000)
+         INSERT INTO redis_settled (tenant_id, resource_key, request_id, at)
+         SELECT 'shop', 'sku-1', 'old-' || i, {} FROM n",
+        now - 2 * HOUR_MS
+    ))
+    .await;
+    db.execute(&format!(
+        "INSERT INTO redis_settled (tenant_id, resource_key, request_id, at) VALUES ('shop', 'sku-1', 'young', {})",
+        now - HOUR_MS / 6
+    ))
+    .await;
+    for (id, age_ms) in [("old", 3 * HOUR_MS), ("young", HOUR_MS)] {
+        db.execute(&format!(
+            "INSERT INTO settlement_failures (tenant_id, resource_key, request_id, order_id, idempotency_key, qty,
+                                              reason, available, at)
+             VALUES ('shop', 'sku-1', '{id}', 'ORD-{id}', 'idem-{id}', 1, 'insufficient', 0, {})",
+            now - age_ms
+        ))
+        .await;
+    }
+
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let left = (
+            db.count("SELECT COUNT(*) FROM redis_settled").await,
+            db.count("SELECT COUNT(*) FROM settlement_failures").await,
+        );
+        // Counted after each batch commits: the count may trail the rows by a moment.
+        let counted = (
+            metric(&app, "stockd_purged_rows_total{table=\"redis_settled\"}").await,
+            metric(&app, "stockd_purged_rows_total{table=\"settlement_failures\"}").await,
+        );
+        if left == (1, 1) && counted == (Some(12_000.0), Some(1.0)) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "old rows were not purged: (settled ids, failures) left {left:?}, counted {counted:?}\n{}",
+            app.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(db.count("SELECT COUNT(*) FROM redis_settled WHERE request_id = 'young'").await, 1);
+    assert_eq!(db.count("SELECT COUNT(*) FROM settlement_failures WHERE request_id = 'young'").await, 1);
+}
+
+/// The names of the consumers in the settlement group of `stream`.
+async fn consumers(conn: &mut redis::aio::MultiplexedConnection, stream: &str) -> Vec<String> {
+    let reply: redis::RedisResult<redis::streams::StreamInfoConsumersReply> =
+        redis::cmd("XINFO").arg("CONSUMERS").arg(stream).arg("settle").query_async(conn).await;
+    reply.map(|r| r.consumers.into_iter().map(|c| c.name).collect()).unwrap_or_default()
+}
+
+/// Polls the group of `stream` until it holds `n` consumers; returns their names.
+async fn wait_for_consumers(conn: &mut redis::aio::MultiplexedConnection, stream: &str, n: usize) -> Vec<String> {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let names = consumers(conn, stream).await;
+        if names.len() == n {
+            return names;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{stream}: {names:?}, not {n} consumers");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A process killed with -9 leaves its consumer in the settlement group of every redis-mode
+/// stream (and each restart would add one more). Once it has been idle past `[redis]
+/// dead_consumer_idle_ms` (2 s here) with no pending entry, the live process removes it and
+/// counts the removal in `stockd_redis_consumers_removed_total`; sales still settle, and the
+/// live process's consumer is the one left in the group.
+#[tokio::test]
+async fn the_consumer_of_a_killed_process_leaves_the_settlement_group() {
+    let redis_url = shared_redis_url();
+    let (app, prefix) = redis_app(&redis_url, "dead_consumer_idle_ms = 2000").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 1000).await;
+    assert_eq!(order_through_503(&shop, "o1", &deduct_one("o1", "sku-1", 1, None)).await.status(), 201);
+    wait_settled(&shop, "sku-1", 1).await;
+    let stream = stream_key(&prefix, "shop", "sku-1");
+    let mut conn = redis_conn(&redis_url).await;
+    let ours = wait_for_consumers(&mut conn, &stream, 1).await;
+
+    // The sibling joins the group once it has read an entry (it polls the stream from its first
+    // one-second refresh of the redis-mode resources): sell until it has.
+    let mut sibling = app.spawn_sibling().await;
+    let mut sold = 1;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while consumers(&mut conn, &stream).await.len() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the sibling never read an entry");
+        sold += 1;
+        let key = format!("o{sold}");
+        assert_eq!(order_through_503(&shop, &key, &deduct_one(&key, "sku-1", 1, None)).await.status(), 201);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_settled(&shop, "sku-1", sold).await;
+    let both = consumers(&mut conn, &stream).await;
+    let theirs = both.iter().find(|name| **name != ours[0]).cloned().unwrap_or_else(|| panic!("{both:?}"));
+    sibling.kill9().await;
+
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let names = consumers(&mut conn, &stream).await;
+        if !names.contains(&theirs) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the dead consumer {theirs} stayed: {names:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while metric(&app, "stockd_redis_consumers_removed_total").await != Some(1.0) {
+        assert!(tokio::time::Instant::now() < deadline, "the removal was not counted");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Selling and settling go on.
+    assert_eq!(order_through_503(&shop, "last", &deduct_one("last", "sku-1", 1, None)).await.status(), 201);
+    wait_settled(&shop, "sku-1", sold + 1).await;
+    assert_eq!(consumers(&mut conn, &stream).await, ours, "the live process's consumer is the one left");
+}
