@@ -11,3 +11,5 @@ CREATE TABLE settlement_dead_letters (
     PRIMARY KEY (tenant_id, resource_key, entry_id)
 );
 CREATE INDEX settlement_dead_letters_by_time ON settlement_dead_letters (tenant_id, at);
+-- Purged with the settlement failures' retention (src/jobs/mod.rs), oldest first.
+CREATE INDEX settlement_dead_letters_by_at ON settlement_dead_letters (at);

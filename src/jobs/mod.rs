@@ -142,7 +142,12 @@ async fn purge(storage: Arc<dyn Storage>, retention_ms: i64) -> Tick {
 /// transaction, until none is left.
 async fn purge_settlement(storage: Arc<dyn Storage>, settled_ms: i64, failures_ms: i64) -> Tick {
     let mut tick = Tick::Done;
-    for (table, retention_ms) in [(SettlementTable::Settled, settled_ms), (SettlementTable::Failures, failures_ms)] {
+    let tables = [
+        (SettlementTable::Settled, settled_ms),
+        (SettlementTable::Failures, failures_ms),
+        (SettlementTable::DeadLetters, failures_ms),
+    ];
+    for (table, retention_ms) in tables {
         let before = now_ms().saturating_sub(retention_ms);
         loop {
             match storage.purge_settlement(table, before, PURGE_BATCH).await {

@@ -103,6 +103,8 @@ pub enum SettlementTable {
     Settled,
     /// `settlement_failures`: refused sales, kept for the tenant to compensate.
     Failures,
+    /// `settlement_dead_letters`: unreadable stream entries, kept as long as failures.
+    DeadLetters,
 }
 
 impl SettlementTable {
@@ -111,6 +113,15 @@ impl SettlementTable {
         match self {
             SettlementTable::Settled => "redis_settled",
             SettlementTable::Failures => "settlement_failures",
+            SettlementTable::DeadLetters => "settlement_dead_letters",
+        }
+    }
+
+    /// The columns naming one row.
+    fn identity(self) -> &'static str {
+        match self {
+            SettlementTable::Settled | SettlementTable::Failures => "tenant_id, resource_key, request_id",
+            SettlementTable::DeadLetters => "tenant_id, resource_key, entry_id",
         }
     }
 
@@ -118,10 +129,9 @@ impl SettlementTable {
     /// first through the `*_by_at` index; `tail` ends the inner SELECT (PostgreSQL skips rows
     /// another process's purge holds).
     pub(crate) fn purge_sql(self, tail: &str) -> String {
-        let table = self.name();
+        let (table, id) = (self.name(), self.identity());
         format!(
-            "DELETE FROM {table} WHERE (tenant_id, resource_key, request_id) IN
-               (SELECT tenant_id, resource_key, request_id FROM {table} WHERE at < $1 ORDER BY at LIMIT $2{tail})"
+            "DELETE FROM {table} WHERE ({id}) IN (SELECT {id} FROM {table} WHERE at < $1 ORDER BY at LIMIT $2{tail})"
         )
     }
 }

@@ -97,6 +97,12 @@ async fn settled_ids_and_settlement_failures_past_their_retention_are_purged() {
             now - age_ms
         ))
         .await;
+        db.execute(&format!(
+            "INSERT INTO settlement_dead_letters (tenant_id, resource_key, entry_id, payload, reason, at)
+             VALUES ('shop', 'sku-1', '{id}', '{{}}', 'no record field', {})",
+            now - age_ms
+        ))
+        .await;
     }
 
     let deadline = tokio::time::Instant::now() + DEADLINE;
@@ -104,24 +110,27 @@ async fn settled_ids_and_settlement_failures_past_their_retention_are_purged() {
         let left = (
             db.count("SELECT COUNT(*) FROM redis_settled").await,
             db.count("SELECT COUNT(*) FROM settlement_failures").await,
+            db.count("SELECT COUNT(*) FROM settlement_dead_letters").await,
         );
         // Counted after each batch commits: the count may trail the rows by a moment.
         let counted = (
             metric(&app, "stockd_purged_rows_total{table=\"redis_settled\"}").await,
             metric(&app, "stockd_purged_rows_total{table=\"settlement_failures\"}").await,
+            metric(&app, "stockd_purged_rows_total{table=\"settlement_dead_letters\"}").await,
         );
-        if left == (1, 1) && counted == (Some(12_000.0), Some(1.0)) {
+        if left == (1, 1, 1) && counted == (Some(12_000.0), Some(1.0), Some(1.0)) {
             break;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "old rows were not purged: (settled ids, failures) left {left:?}, counted {counted:?}\n{}",
+            "old rows were not purged: (settled ids, failures, dead letters) left {left:?}, counted {counted:?}\n{}",
             app.logs()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(db.count("SELECT COUNT(*) FROM redis_settled WHERE request_id = 'young'").await, 1);
     assert_eq!(db.count("SELECT COUNT(*) FROM settlement_failures WHERE request_id = 'young'").await, 1);
+    assert_eq!(db.count("SELECT COUNT(*) FROM settlement_dead_letters WHERE entry_id = 'young'").await, 1);
 }
 
 /// The names of the consumers in the settlement group of `stream`.
