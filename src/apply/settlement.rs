@@ -16,6 +16,13 @@ pub async fn settle<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Res
     if !port.claim_settlement(&r.t, &r.k, &r.rid, now_ms).await? {
         return Ok(Settled::Duplicate);
     }
+    if r.op() == "refuse" {
+        // Nothing changed in Redis's stock: only the client's answer is kept.
+        let answer =
+            StoredResponse { status: r.c.unwrap_or(409), content_type: ContentType::Json, body: r.body.clone() };
+        port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, r.at).await?;
+        return Ok(Settled::Answered);
+    }
     match move_target(r.op()) {
         Some((to, op)) => settle_move(port, r, to, op, now_ms).await,
         None => settle_take(port, r, now_ms).await,

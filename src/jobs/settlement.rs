@@ -158,7 +158,14 @@ async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, 
     let records: Vec<(String, Option<SettleRecord>, Option<i64>)> = entries
         .iter()
         .map(|e| {
-            let record = e.get::<String>("r").and_then(|r| serde_json::from_str::<SettleRecord>(&r).ok());
+            let mut record = e.get::<String>("r").and_then(|r| serde_json::from_str::<SettleRecord>(&r).ok());
+            if let Some(r) = record.as_mut().filter(|r| r.op() == "refuse") {
+                // A refusal's answer travels beside its record; without it, it is unreadable.
+                match (e.get::<u16>("c"), e.get::<String>("b")) {
+                    (Some(code), Some(body)) => (r.c, r.body) = (Some(code), body),
+                    _ => record = None,
+                }
+            }
             (e.id.clone(), record, e.get::<i64>("d"))
         })
         .collect();
@@ -179,6 +186,7 @@ async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, 
                 let label = match settled {
                     Settled::Applied => "applied",
                     Settled::Duplicate => "duplicate",
+                    Settled::Answered => "refusal",
                     Settled::Refused => {
                         metrics::counter!("stockd_settlement_failures_total").increment(1);
                         tracing::error!(

@@ -122,6 +122,8 @@ pub struct Deduction<'a> {
     pub idempotency_key: &'a str,
     pub bodies: Bodies,
     pub record: SettleRecord,
+    /// The settlement record of a refusal (its status and body travel beside it).
+    pub refusal: SettleRecord,
     /// The limit key's count in the database and the resource's epoch then, once asked for.
     pub seed: Option<LimitSeed>,
 }
@@ -314,6 +316,7 @@ impl RedisMode {
     pub async fn deduct(&self, d: &Deduction<'_>) -> Result<Deducted, RedisModeError> {
         let (tenant, key) = (d.tenant.as_str(), d.key.as_str());
         let record = serde_json::to_string(&d.record).map_err(|e| RedisModeError::Reply(e.to_string()))?;
+        let refusal = serde_json::to_string(&d.refusal).map_err(|e| RedisModeError::Reply(e.to_string()))?;
         let mut invocation = self.deduct.key(self.resource_key(tenant, key));
         invocation
             .key(self.limits_key(tenant, key))
@@ -341,6 +344,7 @@ impl RedisMode {
             Some(seed) => invocation.arg(seed.used).arg(seed.epoch),
             None => invocation.arg("").arg(""),
         };
+        invocation.arg(refusal);
         let mut conn = self.link.conn().await?;
         let reply: Result<(String, String, String, i64), RedisError> = invocation.invoke_async(&mut conn).await;
         let (outcome, code, body, available) = reply.inspect_err(|e| self.link.judge(e))?;
@@ -722,6 +726,7 @@ impl RedisMode {
                 rsv: Some(id.to_string()),
                 exp: None,
                 lines: None,
+                c: None,
             })
             .map_err(|e| RedisModeError::Reply(e.to_string()))
         };

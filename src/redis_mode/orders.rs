@@ -82,6 +82,19 @@ impl RedisMode {
             rsv: held.as_ref().map(|r| r.id.clone()),
             exp: held.as_ref().map(|r| r.expires_at.0),
             lines,
+            c: None,
+        };
+        // Only the identity travels: the status and body the script chose go beside it.
+        let refusal = SettleRecord {
+            q: 0,
+            rid: new_request_id(),
+            body: String::new(),
+            lim: None,
+            op: Some("refuse".to_string()),
+            rsv: None,
+            exp: None,
+            lines: None,
+            ..record.clone()
         };
         let reserve = match &held {
             Some(r) => Some(Reserve {
@@ -106,6 +119,7 @@ impl RedisMode {
                 inactive: body(LineResult::Rejected(Reason::ResourceInactive))?,
             },
             record,
+            refusal,
             seed: None,
         };
         let sold_out = || -> Result<Idempotent, RedisModeError> {

@@ -24,7 +24,12 @@
 /// ARGV[11] the sold-out channel; ARGV[12] the sold-out message; ARGV[13] "deduct" or
 /// "reserve"; reserve only: ARGV[14] reservation id, ARGV[15] deadline (Unix ms), ARGV[16] the
 /// reservation document; ARGV[17] the limit key's count in the database or "" (not read), and
-/// ARGV[18] the resource's epoch when it was read.
+/// ARGV[18] the resource's epoch when it was read; ARGV[19] the settlement record of a refusal.
+///
+/// A refusal (insufficient, over the limit, inactive) joins the stream too, with its status and
+/// body beside the record (`c`, `b`): settled, it becomes the key's stored outcome in the
+/// database, so its replay answers the same after a sold-out mark, a switch to db mode or a
+/// Redis data loss.
 ///
 /// A limit key Redis does not count yet starts from zero, unless the resource had sales before
 /// Redis started counting (`seed` = "1": it entered redis mode, or Redis lost its data, after
@@ -84,6 +89,10 @@ else
   end
   redis.call('XADD', KEYS[4], '*', 'r', ARGV[10], 'd', qty)
   if avail == 0 then redis.call('PUBLISH', ARGV[11], ARGV[12]) end
+end
+if outcome ~= 'applied' then
+  redis.call('HINCRBY', KEYS[1], 'pending', 1)
+  redis.call('XADD', KEYS[4], '*', 'r', ARGV[19], 'd', 0, 'c', code, 'b', body)
 end
 redis.call('HSET', KEYS[3], 'h', ARGV[4], 'c', code, 'b', body)
 redis.call('EXPIRE', KEYS[3], ARGV[5])

@@ -52,6 +52,9 @@ pub struct SettleRecord {
     pub exp: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lines: Option<String>,
+    /// A refusal's status code (from the stream entry's `c`; its `b` is the body).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub c: Option<u16>,
 }
 
 impl SettleRecord {
@@ -159,6 +162,8 @@ pub enum Settled {
     /// The database refused it (Redis said yes, the database says no); recorded as a
     /// settlement failure for the tenant to compensate.
     Refused,
+    /// A refusal Redis decided, now the key's stored outcome.
+    Answered,
 }
 
 /// A sale Redis acknowledged that the database refused.

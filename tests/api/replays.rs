@@ -198,11 +198,10 @@ async fn a_redis_mode_replay_after_sold_out_returns_the_first_answer_without_dat
 /// in the database `k0` again must answer its first `409`, not the `sold_out` the process answers
 /// new orders from memory. Found by the model check (`tests/model/`, seed 103).
 ///
-/// Fails today: once the resource is sold out and settled, `src/redis_mode/orders.rs` answers
-/// `sold_out` from memory, assuming every outcome is in the database, but refusals are kept in
-/// Redis alone. Run it with `--ignored`; see docs/TESTING.md, "Findings".
+/// Failed before refusals joined the settlement stream: once the resource was sold out and
+/// settled, the process answered `sold_out` from memory, assuming every outcome was in the
+/// database, but refusals were kept in Redis alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: a refusal decided by Redis replays as sold_out once the resource sold out and settled"]
 async fn a_redis_mode_refusal_replayed_after_sold_out_returns_the_first_answer() {
     let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
     let shop = app.create_tenant("shop").await;
@@ -222,11 +221,9 @@ async fn a_redis_mode_refusal_replayed_after_sold_out_returns_the_first_answer()
 /// contract's "a retry of it returns the same 409 ... whatever changed since: ... the
 /// resource's mode". Found by the model check (`tests/model/`, seeds 105 and 106).
 ///
-/// Fails today: `PATCH {"mode": "db"}` deletes the resource's Redis keys, refusals are kept in
-/// Redis alone, and the retry is decided afresh on the database path (here: applied, 201). Run
-/// it with `--ignored`; see docs/TESTING.md, "Findings".
+/// Failed before refusals joined the settlement stream: refusals were kept in Redis alone, and
+/// after the switch the retry was decided afresh on the database path (applied, 201).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: a refusal decided by Redis is forgotten when its resource switches to db mode"]
 async fn a_redis_mode_refusal_replayed_after_a_switch_to_db_returns_the_first_answer() {
     let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
     let shop = app.create_tenant("shop").await;
