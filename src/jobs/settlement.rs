@@ -15,7 +15,7 @@ use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 
 use super::supervisor::JobCtx;
 use crate::engine::{ResourceKey, TenantId};
-use crate::redis_mode::{RedisMode, RedisModeError, GROUP};
+use crate::redis_mode::{RedisMode, RedisModeError, StreamOwner, GROUP};
 use crate::storage::redis_store::{DeadLetter, SettleRecord, Settled};
 use crate::storage::Storage;
 use crate::time::{now_ms, Timestamp};
@@ -110,43 +110,68 @@ async fn settle_stream(
     key: &str,
     claim: bool,
 ) -> Result<usize, RedisModeError> {
+    // One process at a time settles a stream, in stream order (a sale of stock a release
+    // returned must not reach the database before that release).
+    let owner = hot.own_stream(tenant, key).await?;
+    if owner == StreamOwner::Other {
+        return Ok(0);
+    }
     let stream = hot.stream_key(tenant, key);
     let batch = hot.settings.settle_batch;
     let mut settled = 0;
-    if claim {
+    if claim || owner == StreamOwner::Taken {
+        // Taken over: every entry another consumer still holds comes first, however recent
+        // (that consumer no longer owns the stream). Else: those of dead consumers.
+        let min_idle = if owner == StreamOwner::Taken { 0 } else { hot.settings.claim_idle_ms };
         let mut cmd = redis::cmd("XAUTOCLAIM");
-        cmd.arg(&stream)
-            .arg(GROUP)
-            .arg(&hot.consumer)
-            .arg(hot.settings.claim_idle_ms)
-            .arg("0-0")
-            .arg("COUNT")
-            .arg(batch);
-        let reply: StreamAutoClaimReply = hot.link().query(&cmd).await?;
+        cmd.arg(&stream).arg(GROUP).arg(&hot.consumer).arg(min_idle).arg("0-0").arg("COUNT").arg(batch);
+        let reply: StreamAutoClaimReply = match hot.link().query(&cmd).await {
+            Ok(reply) => reply,
+            Err(err) if err.code() == Some("NOGROUP") => StreamAutoClaimReply::default(),
+            Err(err) => return Err(err.into()),
+        };
         if !reply.claimed.is_empty() {
             metrics::counter!("stockd_settlement_reclaimed_total").increment(reply.claimed.len() as u64);
-            tracing::info!(entries = reply.claimed.len(), tenant, key, "reclaimed entries of a dead consumer");
+            tracing::info!(entries = reply.claimed.len(), tenant, key, "took over entries of another consumer");
         }
-        settled += apply(hot, storage, tenant, key, &reply.claimed).await;
-    }
-    let mut cmd = redis::cmd("XREADGROUP");
-    cmd.arg("GROUP").arg(GROUP).arg(&hot.consumer).arg("COUNT").arg(batch).arg("STREAMS").arg(&stream).arg(">");
-    let reply: Result<Option<StreamReadReply>, _> = hot.link().query(&cmd).await;
-    let reply = match reply {
-        Ok(reply) => reply,
-        // No group: the stream is gone (Redis lost its data; the next warm recreates both) or
-        // was created by a sale before its group. Create the group on an existing stream only,
-        // from its first entry, so a resource that left redis mode gets no stream back.
-        Err(err) if err.code() == Some("NOGROUP") => {
-            let mut create = redis::cmd("XGROUP");
-            create.arg("CREATE").arg(&stream).arg(GROUP).arg("0");
-            let _: Result<String, _> = hot.link().query(&create).await;
+        let acked = apply(hot, storage, tenant, key, &reply.claimed).await;
+        settled += acked;
+        if acked < reply.claimed.len() {
             return Ok(settled);
         }
-        Err(err) => return Err(err.into()),
-    };
-    for key_entries in reply.map(|r| r.keys).unwrap_or_default() {
-        settled += apply(hot, storage, tenant, key, &key_entries.ids).await;
+    }
+    // This consumer's own entries delivered before and not acknowledged (their settlement
+    // failed) go before any new one.
+    for id in ["0", ">"] {
+        // New entries only while this process still owns the stream: the pass may have
+        // outlived its lease (a slow commit), and another process may be settling older
+        // entries now.
+        if id == ">" && hot.own_stream(tenant, key).await? != StreamOwner::Kept {
+            return Ok(settled);
+        }
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP").arg(GROUP).arg(&hot.consumer).arg("COUNT").arg(batch).arg("STREAMS").arg(&stream).arg(id);
+        let reply: Result<Option<StreamReadReply>, _> = hot.link().query(&cmd).await;
+        let reply = match reply {
+            Ok(reply) => reply,
+            // No group: the stream is gone (Redis lost its data; the next warm recreates both)
+            // or was created by a sale before its group. Create the group on an existing stream
+            // only, from its first entry, so a resource that left redis mode gets no stream back.
+            Err(err) if err.code() == Some("NOGROUP") => {
+                let mut create = redis::cmd("XGROUP");
+                create.arg("CREATE").arg(&stream).arg(GROUP).arg("0");
+                let _: Result<String, _> = hot.link().query(&create).await;
+                return Ok(settled);
+            }
+            Err(err) => return Err(err.into()),
+        };
+        let entries: Vec<StreamId> =
+            reply.map(|r| r.keys).unwrap_or_default().into_iter().flat_map(|k| k.ids).collect();
+        let acked = apply(hot, storage, tenant, key, &entries).await;
+        settled += acked;
+        if acked < entries.len() {
+            return Ok(settled);
+        }
     }
     Ok(settled)
 }

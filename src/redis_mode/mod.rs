@@ -153,6 +153,17 @@ pub struct RedisView {
     pub open: bool,
 }
 
+/// Who settles a resource's stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamOwner {
+    /// This process, as before.
+    Kept,
+    /// This process, from now: it takes over every entry still pending first.
+    Taken,
+    /// Another process.
+    Other,
+}
+
 /// A resource's fencing state in Redis: the epoch it was last closed or loaded under (0: none)
 /// and its unsettled stream entries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +193,7 @@ pub struct RedisMode {
     transition: Script,
     ack: Script,
     fence: Script,
+    stream_owner: Script,
     reopen: Script,
     abandoned: Script,
     load: Script,
@@ -217,6 +229,7 @@ impl RedisMode {
             transition: Script::new(scripts::TRANSITION),
             ack: Script::new(scripts::ACK),
             fence: Script::new(scripts::FENCE),
+            stream_owner: Script::new(scripts::STREAM_OWNER),
             reopen: Script::new(scripts::REOPEN),
             abandoned: Script::new(scripts::ABANDONED),
             load: Script::new(scripts::LOAD),
@@ -484,6 +497,19 @@ impl RedisMode {
         let mut conn = self.link.conn().await?;
         let _: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
         Ok(())
+    }
+
+    /// Whether this process settles the resource's stream now (see [`scripts::STREAM_OWNER`]).
+    pub async fn own_stream(&self, tenant: &str, key: &str) -> Result<StreamOwner, RedisModeError> {
+        let mut invocation = self.stream_owner.key(format!("{}:o", self.base(tenant, key)));
+        invocation.arg(&self.consumer).arg(self.settings.claim_idle_ms.max(1));
+        let mut conn = self.link.conn().await?;
+        let owner: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
+        Ok(match owner {
+            1 => StreamOwner::Kept,
+            2 => StreamOwner::Taken,
+            _ => StreamOwner::Other,
+        })
     }
 
     /// Closes the resource under `epoch` (see [`scripts::FENCE`]); returns its unsettled entries.

@@ -190,6 +190,24 @@ redis.call('PERSIST', KEYS[1])
 return {1, tonumber(redis.call('HGET', KEYS[1], 'pending') or '0')}
 "#;
 
+/// Makes the calling process the one settlement consumer of a resource's stream for `ARGV[2]`
+/// ms, or keeps it so: one process settles a stream at a time, in stream order, so a sale of
+/// stock a release returned never reaches the database before that release.
+///
+/// KEYS[1] the stream's owner key. ARGV[1] this process's consumer name; ARGV[2] the lease
+/// (ms). Returns 1 when renewed, 2 when taken now (the caller first takes over every pending
+/// entry of the stream), 0 when another process holds it.
+pub const STREAM_OWNER: &str = r#"
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if holder then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 2
+"#;
+
 /// Reopens a resource closed under `epoch` that nothing changed meanwhile (a drain that timed
 /// out before the database was touched); refused once another epoch took over.
 ///

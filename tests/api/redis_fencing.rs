@@ -353,3 +353,83 @@ async fn a_reservation_leaves_redis_once_its_end_is_settled() {
     assert_eq!(again.status(), 409, "a confirmed reservation is not released: {}", again.text);
     assert_counts(&shop.state("sku-1").await, 9, 0, 1, 10);
 }
+
+/// Stock a release returned in Redis and sold again at once settles in stream order, whichever
+/// processes hold the entries: the release reaches the database before the reservation that
+/// took its stock, which is never refused for want of stock the database was about to get.
+/// Each round holds the database while the release and the new reservation are read by the
+/// settlement consumers of two processes, then lets their commits race.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sale_of_returned_stock_settles_after_the_release_across_processes() {
+    let (app_a, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop_a = app_a.create_tenant("shop").await;
+    let app_b = app_a.spawn_sibling().await;
+    let shop_b = app_b.tenant_with_key("shop", &shop_a.api_key);
+    create_redis_resource(&shop_a, "sku-1", 5).await;
+    let stream = format!("{prefix}:{{shop:sku-1}}:x");
+    let mut redis = redis_conn(&shared_redis_url()).await;
+
+    let first = shop_a.order("r0", &reserve("r0", &[("sku-1", 5)], Some(300))).await.expect_json(201);
+    let mut held = first["reservation_id"].as_str().expect("an id").to_string();
+    wait_reserved(&shop_a, 5).await;
+    for round in 1..=4 {
+        let (releaser, buyer) = if round % 2 == 0 { (&shop_a, &shop_b) } else { (&shop_b, &shop_a) };
+        let hold = TableHold::take(app_a.database_url()).await;
+        releaser.release(&held).await.expect_json(200);
+        wait_delivered(&mut redis, &stream, 1).await;
+        let key = format!("r{round}");
+        let doc = buyer.order(&key, &reserve(&key, &[("sku-1", 5)], Some(300))).await.expect_json(201);
+        held = doc["reservation_id"].as_str().expect("an id").to_string();
+        // Without one settling process per stream, the process whose consumer is not stuck on
+        // the release reads the new reservation within milliseconds; with it, nobody reads it
+        // until the release is settled. Either way the commits race once the hold ends.
+        let _ = delivered_within(&mut redis, &stream, 2, Duration::from_secs(2)).await;
+        hold.release().await;
+        wait_reserved(&shop_a, 5).await;
+        let report = reconciliation(&shop_a).await;
+        assert_eq!(report["settlement_failures"], json!([]), "round {round}: {report}");
+    }
+    assert_counts(&shop_a.state("sku-1").await, 0, 5, 0, 5);
+    shop_a.assert_ledger_replays_to_state("sku-1").await;
+}
+
+/// Waits until the stream has `n` entries delivered to consumers and not yet acknowledged.
+async fn wait_delivered(redis: &mut redis::aio::MultiplexedConnection, stream: &str, n: i64) {
+    assert!(delivered_within(redis, stream, n, Duration::from_secs(20)).await, "fewer than {n} entries delivered");
+}
+
+/// Whether the stream has `n` entries delivered and not yet acknowledged within `wait`.
+async fn delivered_within(redis: &mut redis::aio::MultiplexedConnection, stream: &str, n: i64, wait: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let summary: Vec<redis::Value> =
+            redis::cmd("XPENDING").arg(stream).arg("settle").query_async(redis).await.expect("XPENDING");
+        let pending: i64 =
+            summary.first().cloned().map(redis::from_redis_value).transpose().ok().flatten().unwrap_or(0);
+        if pending >= n {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until the database holds `reserved` reserved and nothing is left to settle.
+async fn wait_reserved(shop: &TenantClient, reserved: i64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let report = reconciliation(shop).await;
+        let state = shop.state("sku-1").await;
+        let entry = redis_entry(&report, "sku-1");
+        if state["reserved"] == reserved && entry["unsettled"] == 0 {
+            return;
+        }
+        if !report["settlement_failures"].as_array().is_none_or(|f| f.is_empty()) {
+            panic!("a settlement was refused: {report}");
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not settled: {state} {report}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -390,8 +390,9 @@ async fn multi_line_orders_on_redis_mode_resources_are_refused() {
 }
 
 /// Once a key is sold out, every process answers `sold_out` from memory: its own sale told the
-/// selling process, pub/sub told the other one, and Redis counts no script call (INFO
-/// commandstats) for 40 more orders. A restock clears it everywhere.
+/// selling process, pub/sub told the other one, and Redis sees no command about any of 40 more
+/// orders (MONITOR: no script or read naming their request keys; the settlement loops' own
+/// background commands go on). A restock clears it everywhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_sold_out_further_orders_cost_no_redis_command() {
     let redis = RedisServer::start().await;
@@ -409,15 +410,15 @@ async fn after_sold_out_further_orders_cost_no_redis_command() {
     wait_settled(&shop, "sku-1", 5).await;
 
     let mut conn = redis_conn(&redis.url()).await;
-    let _: String = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut conn).await.expect("RESETSTAT");
+    let monitor = Monitor::start(redis.port).await;
     for (n, client) in [&shop, &shop_there].into_iter().cycle().take(40).enumerate() {
         let key = format!("late-{n}");
         assert_eq!(reason(&client.order(&key, &deduct_one(&key, "sku-1", 1, None)).await), "sold_out");
     }
-    let stats: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("INFO");
-    for command in ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_hmget:", "cmdstat_hget:"] {
-        assert!(!stats.contains(command), "{command} was called after sold-out:\n{stats}");
-    }
+    let seen = monitor.stop(&mut conn).await;
+    let about_orders: Vec<&String> = seen.iter().filter(|line| line.contains(":q:late-")).collect();
+    assert!(about_orders.is_empty(), "Redis was asked about orders after sold-out: {about_orders:?}");
+    assert!(!seen.is_empty(), "MONITOR saw the background commands at least");
 
     shop.adjust("sku-1", "restock", 2).await.expect_json(200);
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -620,4 +621,42 @@ async fn a_process_with_a_stale_mode_never_sells_from_the_database_copy() {
     assert_counts(&shop_a.state("sku-1").await, 0, 0, 10, 10);
     shop_a.assert_ledger_replays_to_state("sku-1").await;
     drop(sibling);
+}
+
+/// Every command Redis runs, as `MONITOR` prints it, from `start` until `stop`.
+struct Monitor {
+    lines: tokio::task::JoinHandle<Vec<String>>,
+}
+
+impl Monitor {
+    async fn start(port: u16) -> Monitor {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("Redis accepts");
+        stream.write_all(b"MONITOR\r\n").await.expect("MONITOR sent");
+        let mut reader = BufReader::new(stream);
+        let mut ok = String::new();
+        reader.read_line(&mut ok).await.expect("MONITOR answers");
+        assert!(ok.starts_with("+OK"), "MONITOR: {ok}");
+        let lines = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let mut line = String::new();
+            while reader.read_line(&mut line).await.unwrap_or(0) > 0 {
+                if line.contains("monitor-end-marker") {
+                    break;
+                }
+                seen.push(std::mem::take(&mut line));
+            }
+            seen
+        });
+        Monitor { lines }
+    }
+
+    /// Sends a marker through `conn` and returns every command seen before it.
+    async fn stop(self, conn: &mut redis::aio::MultiplexedConnection) -> Vec<String> {
+        let _: String = redis::cmd("ECHO").arg("monitor-end-marker").query_async(conn).await.expect("ECHO");
+        tokio::time::timeout(Duration::from_secs(20), self.lines)
+            .await
+            .expect("MONITOR reaches the marker")
+            .expect("reader")
+    }
 }
