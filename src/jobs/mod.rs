@@ -10,6 +10,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::engine::Pass;
 use crate::storage::Storage;
 use crate::time::now_ms;
 
@@ -20,6 +21,8 @@ pub struct JobSettings {
     pub sweep_batch: u32,
     /// `None` disables the periodic reconciliation.
     pub reconcile_interval: Option<Duration>,
+    /// Every this many reconciliation passes one is full; 0: never.
+    pub reconcile_full_every: u64,
     pub purge_interval: Duration,
     pub idempotency_retention: Duration,
     /// `None` disables the bucket rebalancer.
@@ -49,7 +52,12 @@ pub fn spawn(storage: Arc<dyn Storage>, settings: JobSettings, shutdown: watch::
         jobs.push(spawn_loop(interval, shutdown.clone(), move || rebalance(storage.clone(), batch)));
     }
     if let Some(interval) = settings.reconcile_interval {
-        jobs.push(spawn_loop(interval, shutdown, move || reconcile(storage.clone())));
+        let (full_every, mut passes) = (settings.reconcile_full_every, 0u64);
+        jobs.push(spawn_loop(interval, shutdown, move || {
+            passes = passes.wrapping_add(1);
+            let pass = if full_every > 0 && passes % full_every == 0 { Pass::Full } else { Pass::Incremental };
+            reconcile(storage.clone(), pass)
+        }));
     }
     jobs
 }
@@ -108,9 +116,11 @@ async fn rebalance(storage: Arc<dyn Storage>, batch: u32) {
     }
 }
 
-async fn reconcile(storage: Arc<dyn Storage>) {
-    match storage.reconcile(None).await {
+async fn reconcile(storage: Arc<dyn Storage>, pass: Pass) {
+    match storage.reconcile(None, pass).await {
         Ok(report) => {
+            tracing::debug!(pass = ?report.pass, ledger_rows = report.ledger_rows_read, "reconciliation pass");
+            metrics::counter!("stockd_reconciliation_ledger_rows_read_total").increment(report.ledger_rows_read);
             metrics::gauge!("stockd_reconciliation_checked_resources").set(report.checked as f64);
             metrics::gauge!("stockd_reconciliation_drift_resources").set(report.drift.len() as f64);
             for d in &report.drift {

@@ -12,8 +12,8 @@ pub mod sqlite;
 use async_trait::async_trait;
 
 use crate::engine::{
-    IdempotencyKey, Kind, LineResult, OrderDocument, OrderRequest, OrderStatus, Plan, Reconciliation, Reservation,
-    ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
+    IdempotencyKey, Kind, LineResult, OrderDocument, OrderRequest, OrderStatus, Pass, Plan, Reconciliation,
+    Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
 use crate::problem::Problem;
 use crate::ratelimit::RateLimit;
@@ -334,8 +334,10 @@ pub trait Storage: redis_store::RedisStore + Send + Sync + 'static {
     /// buckets differ by more than one; returns how many resources it moved.
     async fn rebalance_buckets(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError>;
 
-    /// Proves state == opening balance + ledger for one tenant, or for all when `None`.
-    async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError>;
+    /// Proves state == opening balance + ledger for one tenant, or for all when `None`, from
+    /// each resource's checkpoint ([`Pass::Incremental`]) or from the start ([`Pass::Full`]);
+    /// then moves the checkpoints of what it found clean and forgets those of what drifted.
+    async fn reconcile(&self, tenant: Option<&TenantId>, pass: Pass) -> Result<Reconciliation, StorageError>;
     /// Forgets idempotency records created before `before_ms`; returns how many.
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
 

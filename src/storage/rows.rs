@@ -6,8 +6,8 @@ use std::collections::HashMap;
 
 use crate::apply::port::Counts;
 use crate::engine::{
-    BucketCounts, Kind, LedgerEntry, LedgerOp, LedgerSum, Mode, NewestEntry, Reservation, ReservationState,
-    ResourceState, ResourceStatus, TenantId,
+    BucketCounts, Checkpoint, Counters, Kind, LedgerEntry, LedgerOp, LedgerSum, Mode, NewestEntry, Reservation,
+    ReservationState, ResourceState, ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
 use crate::storage::redis_store::SettlementFailure;
@@ -181,6 +181,25 @@ pub fn newest_entry(row: &dyn Columns) -> Result<NewestEntry, StorageError> {
         key: row.text("resource_key")?,
         bucket: row.int("bucket")?,
         after: [row.int("available_after")?, row.int("reserved_after")?, row.int("consumed_after")?],
+    })
+}
+
+/// The checkpoint columns every backend selects.
+pub const CHECKPOINT_COLUMNS: &str = "tenant_id, resource_key, bucket, version, available, reserved, consumed, total";
+
+/// A reconciliation checkpoint selected as [`CHECKPOINT_COLUMNS`].
+pub fn checkpoint(row: &dyn Columns) -> Result<Checkpoint, StorageError> {
+    Ok(Checkpoint {
+        tenant: row.text("tenant_id")?,
+        key: row.text("resource_key")?,
+        bucket: row.int("bucket")?,
+        counters: Counters {
+            available: row.int("available")?,
+            reserved: row.int("reserved")?,
+            consumed: row.int("consumed")?,
+            total: row.int("total")?,
+            version: row.int("version")?,
+        },
     })
 }
 

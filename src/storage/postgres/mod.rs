@@ -34,7 +34,7 @@ use super::{
 use crate::apply::port::Port;
 use crate::apply::{buckets, reads, reservations, resources};
 use crate::engine::{
-    LedgerEntry, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
+    LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
     ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
@@ -427,13 +427,31 @@ impl Storage for PgStorage {
         .await
     }
 
-    async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {
+    async fn reconcile(&self, tenant: Option<&TenantId>, pass: Pass) -> Result<Reconciliation, StorageError> {
         // One snapshot: resources and ledger come from the same moment, so a commit landing
         // between the queries can never look like drift.
         let mut conn = acquire(&self.pool).await?;
         let mut tx = conn.begin_with(SNAPSHOT).await?;
-        let report = reads::reconciliation(&mut PgPort::new(&mut tx), tenant).await?;
+        let (report, update) = reads::reconciliation(&mut PgPort::new(&mut tx), tenant, pass).await?;
         tx.commit().await?;
+        drop(conn);
+        if !update.is_empty() {
+            // The report stands whether or not its checkpoints are stored: without them the
+            // next pass only replays more.
+            let update = std::sync::Arc::new(update);
+            let saved = self
+                .submit(
+                    Vec::new(),
+                    work(move |conn| {
+                        let update = update.clone();
+                        Box::pin(async move { reads::save_checkpoints(&mut PgPort::new(conn), &update).await })
+                    }),
+                )
+                .await;
+            if let Err(err) = saved {
+                tracing::warn!(error = %err, "reconciliation checkpoints not saved; the next pass replays more");
+            }
+        }
         Ok(report)
     }
 
