@@ -28,6 +28,17 @@ async fn shop_with_orders(app: &TestApp, orders: usize) -> TenantClient {
     shop
 }
 
+/// [`shop_with_orders`] with 3 orders, reconciled once: `sku-1` has a checkpoint at version 4.
+async fn checkpointed_shop(app: &TestApp) -> TenantClient {
+    let shop = shop_with_orders(app, 3).await;
+    shop.assert_reconciliation_clean(1).await;
+    shop
+}
+
+/// The first order's ledger row (version 2, below the checkpoint) takes one more than it did.
+const FIRST_ORDER_TAKES_ONE_MORE: &str =
+    "UPDATE ledger SET qty = qty + 1 WHERE tenant_id = 'shop' AND resource_key = 'sku-1' AND version_after = 2";
+
 async fn report(shop: &TenantClient, path: &str) -> Value {
     shop.get(path).await.expect_json(200)
 }
@@ -75,8 +86,7 @@ async fn a_pass_reads_only_the_ledger_rows_written_since_the_last_clean_one() {
 #[tokio::test]
 async fn a_counter_corrupted_after_a_checkpoint_is_reported_by_every_later_pass() {
     let app = spawn_app_with(no_background_pass()).await;
-    let shop = shop_with_orders(&app, 3).await;
-    shop.assert_reconciliation_clean(1).await;
+    let shop = checkpointed_shop(&app).await;
 
     tamper(
         app.database_url(),
@@ -109,14 +119,9 @@ async fn a_counter_corrupted_after_a_checkpoint_is_reported_by_every_later_pass(
 #[tokio::test]
 async fn history_changed_below_a_checkpoint_is_found_by_a_full_pass_and_then_by_every_pass() {
     let app = spawn_app_with(no_background_pass()).await;
-    let shop = shop_with_orders(&app, 3).await;
-    shop.assert_reconciliation_clean(1).await;
+    let shop = checkpointed_shop(&app).await;
 
-    tamper(
-        app.database_url(),
-        &["UPDATE ledger SET qty = qty + 1 WHERE tenant_id = 'shop' AND resource_key = 'sku-1' AND version_after = 2"],
-    )
-    .await;
+    tamper(app.database_url(), &[FIRST_ORDER_TAKES_ONE_MORE]).await;
     let blind = report(&shop, "/v1/reconciliation").await;
     assert_eq!((&blind["drift"], &blind["ledger_rows_read"]), (&json!([]), &json!(0)), "{blind}");
 
@@ -149,13 +154,8 @@ async fn history_changed_below_a_checkpoint_is_found_by_a_full_pass_and_then_by_
 async fn the_background_jobs_full_pass_finds_history_changed_below_a_checkpoint() {
     let app =
         spawn_app_with(AppOptions::default().toml("[reconciliation]\ninterval_seconds = 1\nfull_every = 2")).await;
-    let shop = shop_with_orders(&app, 3).await;
-    shop.assert_reconciliation_clean(1).await;
-    tamper(
-        app.database_url(),
-        &["UPDATE ledger SET qty = qty + 1 WHERE tenant_id = 'shop' AND resource_key = 'sku-1' AND version_after = 2"],
-    )
-    .await;
+    let shop = checkpointed_shop(&app).await;
+    tamper(app.database_url(), &[FIRST_ORDER_TAKES_ONE_MORE]).await;
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {

@@ -952,23 +952,9 @@ impl Reads for PgPort<'_> {
 /// as one range of `ledger_by_version` (a LATERAL subquery, so the planner cannot turn it into a
 /// scan of the whole ledger): after its checkpoint's version in an incremental pass, from the
 /// start in a full one.
-pub(super) fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
+fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
     let only = if one_tenant { "WHERE tenant_id = $1" } else { "" };
-    let and_only = if one_tenant { "AND tenant_id = $1" } else { "" };
-    let since = match pass {
-        Pass::Incremental => {
-            "COALESCE((SELECT c.version FROM ledger_checkpoints c WHERE c.tenant_id = t.tenant_id
-                 AND c.resource_key = t.resource_key AND c.bucket = t.bucket), 0)"
-        }
-        Pass::Full => "0",
-    };
-    let targets = format!(
-        "WITH t AS (
-             SELECT tenant_id, key AS resource_key, 0::BIGINT AS bucket FROM resources WHERE buckets = 1 {and_only}
-             UNION ALL
-             SELECT tenant_id, resource_key, bucket FROM resource_buckets {only}
-         ), w AS (SELECT t.tenant_id, t.resource_key, t.bucket, {since} AS since FROM t)"
-    );
+    let targets = rows::reconciliation_targets(one_tenant.then_some("$1"), pass);
     let range = "l.tenant_id = w.tenant_id AND l.resource_key = w.resource_key AND l.bucket = w.bucket
                  AND l.version_after > w.since";
     [

@@ -747,23 +747,7 @@ impl Reads for SqlitePort<'_> {
 /// from the start in a full one.
 fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
     let only = if one_tenant { "WHERE tenant_id = ?1" } else { "" };
-    let and_only = if one_tenant { "AND tenant_id = ?1" } else { "" };
-    // Every row the ledger is judged against (a single-bucket resource is bucket 0), with the
-    // version its entries are summed after.
-    let since = match pass {
-        Pass::Incremental => {
-            "COALESCE((SELECT c.version FROM ledger_checkpoints c WHERE c.tenant_id = t.tenant_id
-                 AND c.resource_key = t.resource_key AND c.bucket = t.bucket), 0)"
-        }
-        Pass::Full => "0",
-    };
-    let targets = format!(
-        "WITH t AS (
-             SELECT tenant_id, key AS resource_key, 0 AS bucket FROM resources WHERE buckets = 1 {and_only}
-             UNION ALL
-             SELECT tenant_id, resource_key, bucket FROM resource_buckets {only}
-         ), w AS (SELECT t.tenant_id, t.resource_key, t.bucket, {since} AS since FROM t)"
-    );
+    let targets = rows::reconciliation_targets(one_tenant.then_some("?1"), pass);
     [
         format!("SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources {only} ORDER BY tenant_id, key"),
         format!("SELECT {CHECKPOINT_COLUMNS} FROM ledger_checkpoints {only}"),
