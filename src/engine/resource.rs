@@ -202,6 +202,22 @@ impl CheckpointUpdate {
     pub fn is_empty(&self) -> bool {
         self.advance.is_empty() && self.forget.is_empty()
     }
+
+    /// This update in parts of at most `max` (at least 1) checkpoints each, forgotten ones
+    /// first, so that no one write holds the writer long (the first pass over a large database
+    /// stores a checkpoint for every resource and bucket).
+    pub fn into_parts(self, max: usize) -> Vec<CheckpointUpdate> {
+        let max = max.max(1);
+        let mut parts: Vec<CheckpointUpdate> = self
+            .forget
+            .chunks(max)
+            .map(|forget| CheckpointUpdate { advance: Vec::new(), forget: forget.to_vec() })
+            .collect();
+        parts.extend(
+            self.advance.chunks(max).map(|advance| CheckpointUpdate { advance: advance.to_vec(), forget: Vec::new() }),
+        );
+        parts
+    }
 }
 
 /// Compares each resource (with its tenant) against its ledger: the replayed sums and the
@@ -315,6 +331,28 @@ pub struct Reservation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Proves a checkpoint update is stored in bounded parts, forgotten checkpoints first, and
+    /// that no checkpoint is lost or repeated on the way.
+    #[test]
+    fn a_checkpoint_update_splits_into_bounded_parts_forgetting_first() {
+        let checkpoint = |n: i64| Checkpoint {
+            tenant: "t".into(),
+            key: format!("k{n}"),
+            bucket: 0,
+            counters: Counters { version: n + 1, ..Counters::default() },
+        };
+        let update = CheckpointUpdate {
+            advance: (0..5).map(checkpoint).collect(),
+            forget: vec![("t".into(), "x".into(), 0), ("t".into(), "y".into(), 1)],
+        };
+        let parts = update.clone().into_parts(2);
+        let sizes: Vec<(usize, usize)> = parts.iter().map(|p| (p.forget.len(), p.advance.len())).collect();
+        assert_eq!(sizes, vec![(2, 0), (0, 2), (0, 2), (0, 1)]);
+        let advanced: Vec<Checkpoint> = parts.iter().flat_map(|p| p.advance.clone()).collect();
+        assert_eq!(advanced, update.advance);
+        assert_eq!(CheckpointUpdate::default().into_parts(0), Vec::<CheckpointUpdate>::new());
+    }
 
     #[test]
     fn replaying_every_op_keeps_the_sum_equal_to_total() {

@@ -234,6 +234,10 @@ pub struct OrderExecution {
 }
 
 /// The storage contract. Every mutating method is atomic: it applies wholly or not at all.
+/// Most reconciliation checkpoints stored (or forgotten) per write: the first pass over a large
+/// database stores one per resource and bucket, and one write must not hold the writer long.
+pub const CHECKPOINTS_PER_WRITE: usize = 5_000;
+
 #[async_trait]
 pub trait Storage: redis_store::RedisStore + Send + Sync + 'static {
     /// Storage is reachable and migrated.

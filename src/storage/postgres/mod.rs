@@ -435,21 +435,22 @@ impl Storage for PgStorage {
         let (report, update) = reads::reconciliation(&mut PgPort::new(&mut tx), tenant, pass).await?;
         tx.commit().await?;
         drop(conn);
-        if !update.is_empty() {
-            // The report stands whether or not its checkpoints are stored: without them the
-            // next pass only replays more.
-            let update = std::sync::Arc::new(update);
+        // The report stands whether or not its checkpoints are stored: without them the next
+        // pass only replays more.
+        for part in update.into_parts(super::CHECKPOINTS_PER_WRITE) {
+            let part = std::sync::Arc::new(part);
             let saved = self
                 .submit(
                     Vec::new(),
                     work(move |conn| {
-                        let update = update.clone();
-                        Box::pin(async move { reads::save_checkpoints(&mut PgPort::new(conn), &update).await })
+                        let part = part.clone();
+                        Box::pin(async move { reads::save_checkpoints(&mut PgPort::new(conn), &part).await })
                     }),
                 )
                 .await;
             if let Err(err) = saved {
                 tracing::warn!(error = %err, "reconciliation checkpoints not saved; the next pass replays more");
+                break;
             }
         }
         Ok(report)

@@ -400,15 +400,16 @@ impl Storage for SqliteStorage {
             .readers
             .snapshot(move |conn| run_now(reads::reconciliation(&mut SqlitePort::new(conn), tenant.as_ref(), pass)))
             .await?;
-        if !update.is_empty() {
-            // The report stands whether or not its checkpoints are stored: without them the
-            // next pass only replays more.
+        // The report stands whether or not its checkpoints are stored: without them the next
+        // pass only replays more.
+        for part in update.into_parts(super::CHECKPOINTS_PER_WRITE) {
             let saved = self
                 .writer()?
-                .submit(move |conn| run_now(reads::save_checkpoints(&mut SqlitePort::new(conn), &update)))
+                .submit(move |conn| run_now(reads::save_checkpoints(&mut SqlitePort::new(conn), &part)))
                 .await;
             if let Err(err) = saved {
                 tracing::warn!(error = %err, "reconciliation checkpoints not saved; the next pass replays more");
+                break;
             }
         }
         Ok(report)
