@@ -432,6 +432,10 @@ impl Storage for PgStorage {
         // between the queries can never look like drift.
         let mut conn = acquire(&self.pool).await?;
         let mut tx = conn.begin_with(SNAPSHOT).await?;
+        // The planner cannot know how few entries lie past the watermarks, costs each
+        // resource's range at a share of its whole ledger, and JIT-compiles the plan: 340 ms
+        // of compiling for 14 ms of execution over 1,000 resources (docs/PERFORMANCE.md).
+        sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
         let (report, update) = reads::reconciliation(&mut PgPort::new(&mut tx), tenant, pass).await?;
         tx.commit().await?;
         drop(conn);
