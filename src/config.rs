@@ -401,11 +401,15 @@ impl Default for ReservationsConfig {
 pub struct ReconciliationConfig {
     /// How often the background job proves state == opening + ledger; 0 disables it.
     pub interval_seconds: u64,
+    /// Every `full_every`-th background pass replays every resource's whole ledger instead of
+    /// only what was written since its checkpoint (which cannot see history changed below the
+    /// checkpoint); 0: never.
+    pub full_every: u64,
 }
 
 impl Default for ReconciliationConfig {
     fn default() -> Self {
-        Self { interval_seconds: 60 }
+        Self { interval_seconds: 60, full_every: 60 }
     }
 }
 

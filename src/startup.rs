@@ -227,6 +227,7 @@ pub async fn run(
         sweep_batch: config.reservations.sweep_batch,
         reconcile_interval: (config.reconciliation.interval_seconds > 0)
             .then(|| Duration::from_secs(config.reconciliation.interval_seconds)),
+        reconcile_full_every: config.reconciliation.full_every,
         purge_interval: Duration::from_secs(config.idempotency.purge_interval_seconds),
         idempotency_retention: Duration::from_secs(config.idempotency.retention_hours.saturating_mul(3600)),
         rebalance_interval: (config.buckets.rebalance_interval_ms > 0)

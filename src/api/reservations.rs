@@ -1,14 +1,17 @@
 //! Reservations: read, confirm, release. Confirm and release take no body: the reservation id
 //! and the action are their identity, so repeating one is harmless.
 
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use serde::Deserialize;
+use utoipa::IntoParams;
 
 use super::error::ApiError;
 use super::extract::Tenant;
 use super::SharedState;
-use crate::engine::{Reservation, ReservationState};
+use crate::engine::{Pass, Reservation, ReservationState};
 use crate::storage::Transition;
 
 /// Reservation ids are `rsv_` + a ULID; anything much longer cannot exist.
@@ -105,15 +108,27 @@ pub async fn release(
     answer(state.pipeline.move_reservation(&auth.tenant, id, ReservationState::Released).await?)
 }
 
+/// Unknown parameters are ignored, as they were before `pass` existed.
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct ReconciliationParams {
+    /// `incremental` (default): each resource from its last clean checkpoint; `full`: from its
+    /// whole ledger, which also finds history changed below a checkpoint.
+    pub pass: Option<Pass>,
+}
+
 /// Proves, for each of the tenant's resources, state == opening balance + ledger; compares
 /// Redis with the database for redis-mode resources; lists refused settlements.
 #[utoipa::path(get, path = "/v1/reconciliation", tag = "reconciliation", security(("api_key" = [])),
+    params(ReconciliationParams),
     responses((status = 200, body = crate::redis_mode::control::ReconciliationReport)))]
 pub async fn reconciliation(
     Tenant(auth): Tenant,
     State(state): State<SharedState>,
+    params: Result<Query<ReconciliationParams>, QueryRejection>,
 ) -> Result<Json<crate::redis_mode::control::ReconciliationReport>, ApiError> {
-    let report = state.storage.reconcile(Some(&auth.tenant)).await?;
+    let params = params.map(|Query(p)| p).map_err(|e| ApiError::validation("pass", e.body_text()))?;
+    let pass = params.pass.unwrap_or(Pass::Incremental);
+    let report = state.storage.reconcile(Some(&auth.tenant), pass).await?;
     if !report.drift.is_empty() {
         tracing::error!(tenant = %auth.tenant, resources = report.drift.len(), "reconciliation found drift");
     }

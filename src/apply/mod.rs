@@ -17,4 +17,6 @@ pub mod resources;
 pub mod settlement;
 
 #[cfg(test)]
+mod reconcile_tests;
+#[cfg(test)]
 mod tests;

@@ -13,8 +13,8 @@ use futures::FutureExt;
 
 use crate::engine::admission::Row as AdmissionRow;
 use crate::engine::{
-    BucketCounts, Kind, LedgerOp, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus,
-    TenantId,
+    BucketCounts, Checkpoint, Kind, LedgerOp, LimitSpec, Mode, Reservation, ReservationState, ResourceState,
+    ResourceStatus, TenantId,
 };
 use crate::storage::redis_store::SettleRecord;
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
@@ -311,6 +311,12 @@ pub trait Port {
     ) -> Result<Vec<Claim>, StorageError>;
     /// Writes what batch admission decided.
     async fn write_batch(&mut self, writes: &BatchWrites) -> Result<(), StorageError>;
+
+    /// Stores these reconciliation checkpoints, each replacing the stored one of its resource
+    /// (bucket) unless that one is at a newer version.
+    async fn advance_checkpoints(&mut self, checkpoints: &[Checkpoint]) -> Result<(), StorageError>;
+    /// Deletes the checkpoints of these `(tenant, resource, bucket)`s.
+    async fn forget_checkpoints(&mut self, which: &[(String, String, i64)]) -> Result<(), StorageError>;
 }
 
 /// Runs orchestration over a port whose statements complete at once (SQLite on its writer

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use super::buckets::complete;
 use super::port::Port;
 use crate::engine::{
-    reconcile, BucketCounts, LedgerEntry, LedgerSum, NewestEntry, OrderDocument, OrderRequest, Plan, Reconciliation,
-    ResourceState, TenantId,
+    reconcile, BucketCounts, Checkpoint, CheckpointUpdate, LedgerEntry, LedgerSum, NewestEntry, OrderDocument,
+    OrderRequest, Pass, Plan, Reconciliation, ResourceState, TenantId,
 };
 use crate::storage::rules::{fold_all, preview_line, previewed};
 use crate::storage::StorageError;
@@ -19,9 +19,12 @@ use crate::storage::StorageError;
 pub struct LedgerRows {
     /// Every resource row, with its tenant.
     pub resources: Vec<(String, ResourceState)>,
-    /// Per resource, bucket and op: the quantity and number of ledger rows.
+    /// Every stored checkpoint of these resources (and buckets).
+    pub checkpoints: Vec<Checkpoint>,
+    /// Per resource, bucket and op: the quantity and number of ledger rows (after the
+    /// checkpoint's version in an incremental pass; all of them in a full one).
     pub sums: Vec<LedgerSum>,
-    /// Per resource and bucket: the counters after its newest ledger row.
+    /// Per resource and bucket: the counters after its newest ledger row (of those summed).
     pub newest: Vec<NewestEntry>,
     /// Every bucket row, by `(tenant, resource)`.
     pub buckets: HashMap<(String, String), Vec<BucketCounts>>,
@@ -55,8 +58,12 @@ pub trait Reads: Port {
     ) -> Result<Vec<LedgerEntry>, StorageError>;
     /// What a per-user limit key has used so far (0 if never).
     async fn limit_used(&mut self, tenant: &str, key: &str) -> Result<i64, StorageError>;
-    /// Everything reconciliation judges, for one tenant or all.
-    async fn ledger_rows(&mut self, tenant: Option<&str>) -> Result<LedgerRows, StorageError>;
+    /// Everything reconciliation judges, for one tenant or all. An incremental pass sums, for
+    /// each resource (bucket), only the ledger rows whose `version_after` is past its
+    /// checkpoint's version, through the index on `(tenant, resource, bucket, version_after)`.
+    /// The version is the watermark, not `seq`: it is written under the row's lock, so the
+    /// entries of one row commit in version order whatever order `seq` was handed out in.
+    async fn ledger_rows(&mut self, tenant: Option<&str>, pass: Pass) -> Result<LedgerRows, StorageError>;
 }
 
 /// A resource with a bucketed one's buckets folded in (and listed).
@@ -126,12 +133,23 @@ pub async fn preview<R: Reads>(
     Ok(OrderDocument::build(order, plan, &results, None))
 }
 
-/// Proves state == opening balance + ledger for one tenant, or for all.
+/// Proves state == opening balance + ledger for one tenant, or for all; returns the report and
+/// the checkpoints to move for the next pass ([`save_checkpoints`], in a write of its own).
 pub async fn reconciliation<R: Reads>(
     reads: &mut R,
     tenant: Option<&TenantId>,
-) -> Result<Reconciliation, StorageError> {
-    let LedgerRows { mut resources, sums, newest, buckets } = reads.ledger_rows(tenant.map(TenantId::as_str)).await?;
+    pass: Pass,
+) -> Result<(Reconciliation, CheckpointUpdate), StorageError> {
+    let LedgerRows { mut resources, checkpoints, sums, newest, buckets } =
+        reads.ledger_rows(tenant.map(TenantId::as_str), pass).await?;
     fold_all(&mut resources, buckets, true);
-    Ok(reconcile(&resources, &sums, &newest))
+    Ok(reconcile(&resources, &checkpoints, &sums, &newest, pass))
+}
+
+/// Stores what a pass learnt. Safe to run after any later pass: a checkpoint only moves to a
+/// version at least its own (each is a fact about history up to its version), and forgetting
+/// one only makes the next pass replay more.
+pub async fn save_checkpoints<P: Port>(port: &mut P, update: &CheckpointUpdate) -> Result<(), StorageError> {
+    port.forget_checkpoints(&update.forget).await?;
+    port.advance_checkpoints(&update.advance).await
 }

@@ -11,7 +11,7 @@ pub mod types;
 pub use order::{LineResult, OrderDocument, OrderRequest, OrderStatus, Reason};
 pub use plan::{DefaultPlanner, LimitSpec, PartialPolicy, Plan, PlanError, PlannedLine, Planner, PlannerRef, Target};
 pub use resource::{
-    reconcile, BucketCounts, BucketTake, Counters, Drift, LedgerEntry, LedgerSum, NewestEntry, Reconciliation,
-    Reservation, ReservationLine, ResourceState,
+    reconcile, BucketCounts, BucketTake, Checkpoint, CheckpointUpdate, Counters, Drift, LedgerEntry, LedgerSum,
+    NewestEntry, Pass, Reconciliation, Reservation, ReservationLine, ResourceState,
 };
 pub use types::*;

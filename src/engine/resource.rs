@@ -132,11 +132,29 @@ pub struct Drift {
     pub actual: Counters,
 }
 
+/// Which history a reconciliation pass replays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Pass {
+    /// Each resource (bucket) from its checkpoint: only the ledger rows written since the last
+    /// pass that found it clean. Cannot see a ledger row changed, deleted or inserted below the
+    /// checkpoint.
+    Incremental,
+    /// Every resource (bucket) from its whole ledger, checkpoints ignored: also finds history
+    /// changed below a checkpoint.
+    Full,
+}
+
 /// The result of a reconciliation pass over one tenant (or all tenants, for the job).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct Reconciliation {
     pub checked: u64,
     pub drift: Vec<Drift>,
+    /// Which history this pass replayed.
+    pub pass: Pass,
+    /// How many ledger rows this pass summed: those after the checkpoints (incremental), or the
+    /// whole ledger of the resources checked (full).
+    pub ledger_rows_read: u64,
 }
 
 /// The ledger's totals of one op on one resource, as storage aggregates them.
@@ -159,28 +177,92 @@ pub struct NewestEntry {
     pub after: [i64; 3],
 }
 
+/// What a resource (bucket) was proven to be at `counters.version`: its ledger entries up to
+/// that version replay to `counters`, and the newest of them records them. A pass replays only
+/// the entries after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub tenant: String,
+    pub key: String,
+    pub bucket: i64,
+    pub counters: Counters,
+}
+
+/// What a pass learnt for the next one: checkpoints to move forward (resources found clean at a
+/// newer version than their checkpoint's) and checkpoints to forget (resources that drifted:
+/// the next pass replays their whole ledger, so the drift is reported again until it is fixed).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CheckpointUpdate {
+    pub advance: Vec<Checkpoint>,
+    /// `(tenant, resource, bucket)`.
+    pub forget: Vec<(String, String, i64)>,
+}
+
+impl CheckpointUpdate {
+    pub fn is_empty(&self) -> bool {
+        self.advance.is_empty() && self.forget.is_empty()
+    }
+
+    /// This update in parts of at most `max` (at least 1) checkpoints each, forgotten ones
+    /// first, so that no one write holds the writer long (the first pass over a large database
+    /// stores a checkpoint for every resource and bucket).
+    pub fn into_parts(self, max: usize) -> Vec<CheckpointUpdate> {
+        let max = max.max(1);
+        let mut parts: Vec<CheckpointUpdate> = self
+            .forget
+            .chunks(max)
+            .map(|forget| CheckpointUpdate { advance: Vec::new(), forget: forget.to_vec() })
+            .collect();
+        parts.extend(
+            self.advance.chunks(max).map(|advance| CheckpointUpdate { advance: advance.to_vec(), forget: Vec::new() }),
+        );
+        parts
+    }
+}
+
 /// Compares each resource (with its tenant) against its ledger: the replayed sums and the
 /// newest entry's counters must both equal the state. A bucketed resource is judged bucket by
 /// bucket (each bucket's entries against its row; the totals are their sums by construction).
-/// Pure, so every backend judges alike.
-pub fn reconcile(resources: &[(String, ResourceState)], sums: &[LedgerSum], newest: &[NewestEntry]) -> Reconciliation {
+/// `checkpoints` are the stored ones; in an incremental pass `sums` and `newest` cover the
+/// entries after each resource's checkpoint (all of them where it has none) and the replay
+/// starts from its counters; in a full pass they cover every entry and the replay starts from
+/// zero. Pure, so every backend judges alike.
+pub fn reconcile(
+    resources: &[(String, ResourceState)],
+    checkpoints: &[Checkpoint],
+    sums: &[LedgerSum],
+    newest: &[NewestEntry],
+    pass: Pass,
+) -> (Reconciliation, CheckpointUpdate) {
     use std::collections::HashMap;
-    let mut expected: HashMap<(&str, &str, i64), Counters> = HashMap::new();
+    let known: HashMap<(&str, &str, i64), Counters> =
+        checkpoints.iter().map(|c| ((c.tenant.as_str(), c.key.as_str(), c.bucket), c.counters)).collect();
+    let base = match pass {
+        Pass::Incremental => known.clone(),
+        Pass::Full => HashMap::new(),
+    };
+    let mut expected = base.clone();
+    let mut ledger_rows_read = 0u64;
     for s in sums {
+        ledger_rows_read = ledger_rows_read.saturating_add(u64::try_from(s.count).unwrap_or(0));
         expected.entry((s.tenant.as_str(), s.key.as_str(), s.bucket)).or_default().apply(s.op, s.qty, s.count);
     }
-    let last: HashMap<(&str, &str, i64), [i64; 3]> =
-        newest.iter().map(|n| ((n.tenant.as_str(), n.key.as_str(), n.bucket), n.after)).collect();
-    let judge = |tenant: &str, key: &str, bucket: i64, have: Counters| {
+    let mut last: HashMap<(&str, &str, i64), [i64; 3]> =
+        base.iter().map(|(id, c)| (*id, [c.available, c.reserved, c.consumed])).collect();
+    last.extend(newest.iter().map(|n| ((n.tenant.as_str(), n.key.as_str(), n.bucket), n.after)));
+    let mut update = CheckpointUpdate::default();
+    let mut judge = |tenant: &str, key: &str, bucket: i64, have: Counters| {
         let id = (tenant, key, bucket);
         let want = expected.get(&id).copied().unwrap_or_default();
         let last_matches = last.get(&id) == Some(&[have.available, have.reserved, have.consumed]);
-        (want != have || !last_matches).then(|| Drift {
-            key: key.to_string(),
-            bucket: None,
-            expected: want,
-            actual: have,
-        })
+        let clean = want == have && last_matches;
+        let known = known.get(&id);
+        if clean && known != Some(&have) {
+            update.advance.push(Checkpoint { tenant: tenant.into(), key: key.into(), bucket, counters: have });
+        } else if !clean && known.is_some() {
+            update.forget.push((tenant.into(), key.into(), bucket));
+        }
+        (!clean).then(|| Drift { key: key.to_string(), bucket: None, expected: want, actual: have })
     };
     let mut drift = Vec::new();
     for (tenant, state) in resources {
@@ -210,7 +292,7 @@ pub fn reconcile(resources: &[(String, ResourceState)], sums: &[LedgerSum], newe
             }
         }
     }
-    Reconciliation { checked: resources.len() as u64, drift }
+    (Reconciliation { checked: resources.len() as u64, drift, pass, ledger_rows_read }, update)
 }
 
 /// One line held by a reservation.
@@ -249,6 +331,28 @@ pub struct Reservation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Proves a checkpoint update is stored in bounded parts, forgotten checkpoints first, and
+    /// that no checkpoint is lost or repeated on the way.
+    #[test]
+    fn a_checkpoint_update_splits_into_bounded_parts_forgetting_first() {
+        let checkpoint = |n: i64| Checkpoint {
+            tenant: "t".into(),
+            key: format!("k{n}"),
+            bucket: 0,
+            counters: Counters { version: n + 1, ..Counters::default() },
+        };
+        let update = CheckpointUpdate {
+            advance: (0..5).map(checkpoint).collect(),
+            forget: vec![("t".into(), "x".into(), 0), ("t".into(), "y".into(), 1)],
+        };
+        let parts = update.clone().into_parts(2);
+        let sizes: Vec<(usize, usize)> = parts.iter().map(|p| (p.forget.len(), p.advance.len())).collect();
+        assert_eq!(sizes, vec![(2, 0), (0, 2), (0, 2), (0, 1)]);
+        let advanced: Vec<Checkpoint> = parts.iter().flat_map(|p| p.advance.clone()).collect();
+        assert_eq!(advanced, update.advance);
+        assert_eq!(CheckpointUpdate::default().into_parts(0), Vec::<CheckpointUpdate>::new());
+    }
 
     #[test]
     fn replaying_every_op_keeps_the_sum_equal_to_total() {

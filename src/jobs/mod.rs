@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use self::supervisor::{Supervisor, Tick};
+use crate::engine::Pass;
 use crate::storage::redis_store::SettlementTable;
 use crate::storage::Storage;
 use crate::time::now_ms;
@@ -21,6 +22,8 @@ pub struct JobSettings {
     pub sweep_batch: u32,
     /// `None` disables the periodic reconciliation.
     pub reconcile_interval: Option<Duration>,
+    /// Every this many reconciliation passes one is full; 0: never.
+    pub reconcile_full_every: u64,
     pub purge_interval: Duration,
     pub idempotency_retention: Duration,
     /// `None` disables the bucket rebalancer.
@@ -61,7 +64,13 @@ pub fn spawn(supervisor: &mut Supervisor, storage: Arc<dyn Storage>, settings: J
         supervisor.every("rebalance", interval, move || rebalance(storage.clone(), batch));
     }
     if let Some(interval) = settings.reconcile_interval {
-        supervisor.every("reconciliation", interval, move || reconcile(storage.clone()));
+        // Counted across restarts of the job, so a panicking pass does not postpone the full one.
+        let (full_every, passes) = (settings.reconcile_full_every, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+        supervisor.every("reconciliation", interval, move || {
+            let n = passes.fetch_add(1, std::sync::atomic::Ordering::Relaxed).wrapping_add(1);
+            let pass = if full_every > 0 && n % full_every == 0 { Pass::Full } else { Pass::Incremental };
+            reconcile(storage.clone(), pass)
+        });
     }
 }
 
@@ -103,9 +112,11 @@ async fn rebalance(storage: Arc<dyn Storage>, batch: u32) -> Tick {
     }
 }
 
-async fn reconcile(storage: Arc<dyn Storage>) -> Tick {
-    match storage.reconcile(None).await {
+async fn reconcile(storage: Arc<dyn Storage>, pass: Pass) -> Tick {
+    match storage.reconcile(None, pass).await {
         Ok(report) => {
+            tracing::debug!(pass = ?report.pass, ledger_rows = report.ledger_rows_read, "reconciliation pass");
+            metrics::counter!("stockd_reconciliation_ledger_rows_read_total").increment(report.ledger_rows_read);
             metrics::gauge!("stockd_reconciliation_checked_resources").set(report.checked as f64);
             metrics::gauge!("stockd_reconciliation_drift_resources").set(report.drift.len() as f64);
             for d in &report.drift {

@@ -12,8 +12,8 @@ pub mod sqlite;
 use async_trait::async_trait;
 
 use crate::engine::{
-    IdempotencyKey, Kind, LineResult, OrderDocument, OrderRequest, OrderStatus, Plan, Reconciliation, Reservation,
-    ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
+    IdempotencyKey, Kind, LineResult, OrderDocument, OrderRequest, OrderStatus, Pass, Plan, Reconciliation,
+    Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
 use crate::problem::Problem;
 use crate::ratelimit::RateLimit;
@@ -234,6 +234,10 @@ pub struct OrderExecution {
 }
 
 /// The storage contract. Every mutating method is atomic: it applies wholly or not at all.
+/// Most reconciliation checkpoints stored (or forgotten) per write: the first pass over a large
+/// database stores one per resource and bucket, and one write must not hold the writer long.
+pub const CHECKPOINTS_PER_WRITE: usize = 5_000;
+
 #[async_trait]
 pub trait Storage: redis_store::RedisStore + Send + Sync + 'static {
     /// Storage is reachable and migrated.
@@ -334,8 +338,10 @@ pub trait Storage: redis_store::RedisStore + Send + Sync + 'static {
     /// buckets differ by more than one; returns how many resources it moved.
     async fn rebalance_buckets(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError>;
 
-    /// Proves state == opening balance + ledger for one tenant, or for all when `None`.
-    async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError>;
+    /// Proves state == opening balance + ledger for one tenant, or for all when `None`, from
+    /// each resource's checkpoint ([`Pass::Incremental`]) or from the start ([`Pass::Full`]);
+    /// then moves the checkpoints of what it found clean and forgets those of what drifted.
+    async fn reconcile(&self, tenant: Option<&TenantId>, pass: Pass) -> Result<Reconciliation, StorageError>;
     /// Forgets idempotency records created before `before_ms`; returns how many.
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
 

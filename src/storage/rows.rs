@@ -6,8 +6,8 @@ use std::collections::HashMap;
 
 use crate::apply::port::Counts;
 use crate::engine::{
-    BucketCounts, Kind, LedgerEntry, LedgerOp, LedgerSum, Mode, NewestEntry, Reservation, ReservationState,
-    ResourceState, ResourceStatus, TenantId,
+    BucketCounts, Checkpoint, Counters, Kind, LedgerEntry, LedgerOp, LedgerSum, Mode, NewestEntry, Pass, Reservation,
+    ReservationState, ResourceState, ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
 use crate::storage::redis_store::{DeadLetter, SettlementFailure};
@@ -181,6 +181,51 @@ pub fn newest_entry(row: &dyn Columns) -> Result<NewestEntry, StorageError> {
         key: row.text("resource_key")?,
         bucket: row.int("bucket")?,
         after: [row.int("available_after")?, row.int("reserved_after")?, row.int("consumed_after")?],
+    })
+}
+
+/// The rows reconciliation judges the ledger against, as the CTE `w (tenant_id, resource_key,
+/// bucket, since)`: every single-bucket resource (as bucket 0) and every bucket row, of the
+/// tenant bound to `tenant_param` (`?1`, `$1`) or of all, each with the version its entries are
+/// summed after: its checkpoint's in an incremental pass, 0 in a full one.
+pub fn reconciliation_targets(tenant_param: Option<&str>, pass: Pass) -> String {
+    let (only, and_only) = match tenant_param {
+        Some(p) => (format!("WHERE tenant_id = {p}"), format!("AND tenant_id = {p}")),
+        None => (String::new(), String::new()),
+    };
+    let since = match pass {
+        Pass::Incremental => {
+            "COALESCE((SELECT c.version FROM ledger_checkpoints c WHERE c.tenant_id = t.tenant_id
+                 AND c.resource_key = t.resource_key AND c.bucket = t.bucket), 0)"
+        }
+        Pass::Full => "0",
+    };
+    format!(
+        "WITH t AS (
+             SELECT tenant_id, key AS resource_key, CAST(0 AS BIGINT) AS bucket FROM resources
+             WHERE buckets = 1 {and_only}
+             UNION ALL
+             SELECT tenant_id, resource_key, bucket FROM resource_buckets {only}
+         ), w AS (SELECT t.tenant_id, t.resource_key, t.bucket, {since} AS since FROM t)"
+    )
+}
+
+/// The checkpoint columns every backend selects.
+pub const CHECKPOINT_COLUMNS: &str = "tenant_id, resource_key, bucket, version, available, reserved, consumed, total";
+
+/// A reconciliation checkpoint selected as [`CHECKPOINT_COLUMNS`].
+pub fn checkpoint(row: &dyn Columns) -> Result<Checkpoint, StorageError> {
+    Ok(Checkpoint {
+        tenant: row.text("tenant_id")?,
+        key: row.text("resource_key")?,
+        bucket: row.int("bucket")?,
+        counters: Counters {
+            available: row.int("available")?,
+            reserved: row.int("reserved")?,
+            consumed: row.int("consumed")?,
+            total: row.int("total")?,
+            version: row.int("version")?,
+        },
     })
 }
 

@@ -23,8 +23,8 @@ use serde_json::{json, Value};
 use tokio::sync::Barrier;
 
 use crate::helpers::{
-    assert_counts, assert_problem, deduct, entries_with_op, plugin_wasm, reserve, spawn_app_with, try_send, unique,
-    AppOptions, Backend, Counts, Reply, TenantClient,
+    assert_counts, assert_problem, deduct, entries_with_op, plugin_wasm, reserve, spawn_app_with, tamper, try_send,
+    unique, AppOptions, Counts, Reply, TenantClient,
 };
 
 /// A rebalance interval no test outlives: per-bucket numbers only change by the test's requests.
@@ -1181,27 +1181,6 @@ async fn concurrent_holds_take_across_buckets_and_settle_where_they_came_from() 
 // ---------------------------------------------------------------------------------------------
 // Reconciliation
 // ---------------------------------------------------------------------------------------------
-
-/// Runs statements directly on the test's database, behind the server's back.
-async fn tamper(database_url: &str, statements: &[&str]) {
-    use sqlx::Connection;
-    match Backend::from_env() {
-        Backend::Sqlite => {
-            let mut conn = sqlx::SqliteConnection::connect(database_url).await.expect("the test database opens");
-            for sql in statements {
-                sqlx::query(sql).execute(&mut conn).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
-            }
-            let _ = conn.close().await;
-        }
-        Backend::Postgres => {
-            let mut conn = sqlx::PgConnection::connect(database_url).await.expect("the test database opens");
-            for sql in statements {
-                sqlx::query(sql).execute(&mut conn).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
-            }
-            let _ = conn.close().await;
-        }
-    }
-}
 
 /// Proves reconciliation judges each bucket against its own ledger. The one white-box step:
 /// a unit is moved from bucket 1's row to bucket 0's row directly in the database (table

@@ -969,3 +969,24 @@ impl TestApp {
         &self.database_url
     }
 }
+
+/// Runs statements directly on the test's database, behind the server's back.
+pub async fn tamper(database_url: &str, statements: &[&str]) {
+    use sqlx::Connection;
+    match Backend::from_env() {
+        Backend::Sqlite => {
+            let mut conn = sqlx::SqliteConnection::connect(database_url).await.expect("the test database opens");
+            for sql in statements {
+                sqlx::query(sql).execute(&mut conn).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+            }
+            let _ = conn.close().await;
+        }
+        Backend::Postgres => {
+            let mut conn = sqlx::PgConnection::connect(database_url).await.expect("the test database opens");
+            for sql in statements {
+                sqlx::query(sql).execute(&mut conn).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+            }
+            let _ = conn.close().await;
+        }
+    }
+}

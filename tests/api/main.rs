@@ -24,6 +24,7 @@ mod plugin_isolation;
 mod plugins;
 mod procfs;
 mod rate_limits;
+mod reconciliation;
 mod redis_fencing;
 mod redis_mode;
 mod redis_support;

@@ -34,7 +34,7 @@ use super::{
 use crate::apply::port::Port;
 use crate::apply::{buckets, reads, reservations, resources};
 use crate::engine::{
-    LedgerEntry, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
+    LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
     ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
@@ -427,13 +427,36 @@ impl Storage for PgStorage {
         .await
     }
 
-    async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {
+    async fn reconcile(&self, tenant: Option<&TenantId>, pass: Pass) -> Result<Reconciliation, StorageError> {
         // One snapshot: resources and ledger come from the same moment, so a commit landing
         // between the queries can never look like drift.
         let mut conn = acquire(&self.pool).await?;
         let mut tx = conn.begin_with(SNAPSHOT).await?;
-        let report = reads::reconciliation(&mut PgPort::new(&mut tx), tenant).await?;
+        // The planner cannot know how few entries lie past the watermarks, costs each
+        // resource's range at a share of its whole ledger, and JIT-compiles the plan: 340 ms
+        // of compiling for 14 ms of execution over 1,000 resources (docs/PERFORMANCE.md).
+        sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
+        let (report, update) = reads::reconciliation(&mut PgPort::new(&mut tx), tenant, pass).await?;
         tx.commit().await?;
+        drop(conn);
+        // The report stands whether or not its checkpoints are stored: without them the next
+        // pass only replays more.
+        for part in update.into_parts(super::CHECKPOINTS_PER_WRITE) {
+            let part = std::sync::Arc::new(part);
+            let saved = self
+                .submit(
+                    Vec::new(),
+                    work(move |conn| {
+                        let part = part.clone();
+                        Box::pin(async move { reads::save_checkpoints(&mut PgPort::new(conn), &part).await })
+                    }),
+                )
+                .await;
+            if let Err(err) = saved {
+                tracing::warn!(error = %err, "reconciliation checkpoints not saved; the next pass replays more");
+                break;
+            }
+        }
         Ok(report)
     }
 

@@ -19,11 +19,11 @@ use crate::apply::port::{
 use crate::apply::reads::{LedgerRows, Reads};
 use crate::engine::admission::Row as AdmissionRow;
 use crate::engine::{
-    BucketCounts, Kind, LedgerEntry, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus,
-    TenantId, MAX_TOTAL,
+    BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
+    ResourceStatus, TenantId, MAX_TOTAL,
 };
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
-use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
+use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
 
 fn corrupt(what: &str) -> StorageError {
@@ -805,6 +805,54 @@ impl Port for PgPort<'_> {
         }
         Ok(())
     }
+
+    /// One statement for all of them, in key order, so two processes' passes take the
+    /// checkpoint rows' locks in the same order.
+    async fn advance_checkpoints(&mut self, checkpoints: &[Checkpoint]) -> Result<(), StorageError> {
+        if checkpoints.is_empty() {
+            return Ok(());
+        }
+        let mut sorted: Vec<&Checkpoint> = checkpoints.iter().collect();
+        sorted.sort_by(|a, b| (&a.tenant, &a.key, a.bucket).cmp(&(&b.tenant, &b.key, b.bucket)));
+        let col = |f: fn(&Checkpoint) -> i64| sorted.iter().map(|c| f(c)).collect::<Vec<i64>>();
+        sqlx::query(
+            "INSERT INTO ledger_checkpoints AS c
+                 (tenant_id, resource_key, bucket, version, available, reserved, consumed, total)
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[],
+                                  $7::bigint[], $8::bigint[])
+             ON CONFLICT (tenant_id, resource_key, bucket) DO UPDATE SET version = excluded.version,
+                 available = excluded.available, reserved = excluded.reserved, consumed = excluded.consumed,
+                 total = excluded.total
+             WHERE excluded.version >= c.version",
+        )
+        .bind(sorted.iter().map(|c| c.tenant.clone()).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|c| c.key.clone()).collect::<Vec<_>>())
+        .bind(col(|c| c.bucket))
+        .bind(col(|c| c.counters.version))
+        .bind(col(|c| c.counters.available))
+        .bind(col(|c| c.counters.reserved))
+        .bind(col(|c| c.counters.consumed))
+        .bind(col(|c| c.counters.total))
+        .execute(&mut *self.conn)
+        .await?;
+        Ok(())
+    }
+
+    async fn forget_checkpoints(&mut self, which: &[(String, String, i64)]) -> Result<(), StorageError> {
+        if which.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "DELETE FROM ledger_checkpoints c USING UNNEST($1::text[], $2::text[], $3::bigint[]) AS f (t, k, b)
+             WHERE c.tenant_id = f.t AND c.resource_key = f.k AND c.bucket = f.b",
+        )
+        .bind(which.iter().map(|w| w.0.clone()).collect::<Vec<_>>())
+        .bind(which.iter().map(|w| w.1.clone()).collect::<Vec<_>>())
+        .bind(which.iter().map(|w| w.2).collect::<Vec<_>>())
+        .execute(&mut *self.conn)
+        .await?;
+        Ok(())
+    }
 }
 
 impl Reads for PgPort<'_> {
@@ -881,44 +929,64 @@ impl Reads for PgPort<'_> {
         Ok(used.unwrap_or(0))
     }
 
-    async fn ledger_rows(&mut self, tenant: Option<&str>) -> Result<LedgerRows, StorageError> {
+    async fn ledger_rows(&mut self, tenant: Option<&str>, pass: Pass) -> Result<LedgerRows, StorageError> {
         // One tenant's reconciliation reads its own rows only (through the tenant-first keys);
         // `$1 IS NULL OR tenant_id = $1` would scan every tenant's ledger under a generic plan.
-        let only = if tenant.is_some() { "WHERE tenant_id = $1" } else { "" };
+        let [resources, checkpoints, sums, newest, buckets] = ledger_rows_sql(tenant.is_some(), pass);
         fn bind<'q>(sql: &'q str, tenant: Option<&'q str>) -> sqlx::query::Query<'q, sqlx::Postgres, PgArguments> {
             match tenant {
                 Some(t) => sqlx::query(sql).bind(t),
                 None => sqlx::query(sql),
             }
         }
-        let sql = format!(
-            "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources {only}
-             ORDER BY tenant_id COLLATE \"C\", key COLLATE \"C\""
-        );
-        let resources = bind(&sql, tenant).fetch_all(&mut *self.conn).await?;
-        let resources = resources
+        let found = bind(&resources, tenant).fetch_all(&mut *self.conn).await?;
+        let resources = found
             .iter()
             .map(|row| Ok((row.text("tenant_id")?, rows::resource(row)?)))
             .collect::<Result<_, StorageError>>()?;
-        // SUM over BIGINT is NUMERIC in PostgreSQL; the cast fails (rather than wraps) on overflow.
-        let sql = format!(
-            "SELECT tenant_id, resource_key, bucket, op, SUM(qty)::BIGINT AS qty, COUNT(*) AS n FROM ledger {only}
-             GROUP BY tenant_id, resource_key, bucket, op"
-        );
-        let sums = bind(&sql, tenant).fetch_all(&mut *self.conn).await?;
-        let sums = sums.iter().map(|row| rows::ledger_sum(row)).collect::<Result<_, _>>()?;
-        let sql = format!(
-            "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
-             FROM ledger l
-             JOIN (SELECT MAX(seq) AS seq FROM ledger {only} GROUP BY tenant_id, resource_key, bucket) m
-               ON l.seq = m.seq"
-        );
-        let newest = bind(&sql, tenant).fetch_all(&mut *self.conn).await?;
-        let newest = newest.iter().map(|row| rows::newest_entry(row)).collect::<Result<_, _>>()?;
-        let sql =
-            format!("SELECT {BUCKET_COLUMNS} FROM resource_buckets {only} ORDER BY tenant_id, resource_key, bucket");
-        let buckets = bind(&sql, tenant).fetch_all(&mut *self.conn).await?;
-        let buckets = rows::group_buckets(buckets.iter().map(|row| rows::bucket(row)).collect::<Result<Vec<_>, _>>()?);
-        Ok(LedgerRows { resources, sums, newest, buckets })
+        let found = bind(&checkpoints, tenant).fetch_all(&mut *self.conn).await?;
+        let checkpoints = found.iter().map(|row| rows::checkpoint(row)).collect::<Result<_, _>>()?;
+        let found = bind(&sums, tenant).fetch_all(&mut *self.conn).await?;
+        let sums = found.iter().map(|row| rows::ledger_sum(row)).collect::<Result<_, _>>()?;
+        let found = bind(&newest, tenant).fetch_all(&mut *self.conn).await?;
+        let newest = found.iter().map(|row| rows::newest_entry(row)).collect::<Result<_, _>>()?;
+        let found = bind(&buckets, tenant).fetch_all(&mut *self.conn).await?;
+        let buckets = rows::group_buckets(found.iter().map(|row| rows::bucket(row)).collect::<Result<Vec<_>, _>>()?);
+        Ok(LedgerRows { resources, checkpoints, sums, newest, buckets })
     }
+}
+
+/// The five queries of reconciliation: resources, checkpoints, per-op ledger sums, newest
+/// entries, buckets; for one tenant (`$1`) or for all. The ledger is read per resource (bucket)
+/// as one range of `ledger_by_version` (a LATERAL subquery, so the planner cannot turn it into a
+/// scan of the whole ledger): after its checkpoint's version in an incremental pass, from the
+/// start in a full one.
+fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
+    let only = if one_tenant { "WHERE tenant_id = $1" } else { "" };
+    let targets = rows::reconciliation_targets(one_tenant.then_some("$1"), pass);
+    let range = "l.tenant_id = w.tenant_id AND l.resource_key = w.resource_key AND l.bucket = w.bucket
+                 AND l.version_after > w.since";
+    [
+        format!(
+            "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources {only}
+             ORDER BY tenant_id COLLATE \"C\", key COLLATE \"C\""
+        ),
+        format!("SELECT {CHECKPOINT_COLUMNS} FROM ledger_checkpoints {only}"),
+        // SUM over BIGINT is NUMERIC in PostgreSQL; the cast fails (rather than wraps) on overflow.
+        format!(
+            "{targets}
+             SELECT w.tenant_id, w.resource_key, w.bucket, s.op, s.qty, s.n FROM w CROSS JOIN LATERAL (
+                 SELECT l.op, SUM(l.qty)::BIGINT AS qty, COUNT(*) AS n FROM ledger l WHERE {range} GROUP BY l.op
+             ) s"
+        ),
+        format!(
+            "{targets}
+             SELECT w.tenant_id, w.resource_key, w.bucket, n.available_after, n.reserved_after, n.consumed_after
+             FROM w CROSS JOIN LATERAL (
+                 SELECT l.available_after, l.reserved_after, l.consumed_after FROM ledger l WHERE {range}
+                 ORDER BY l.version_after DESC LIMIT 1
+             ) n"
+        ),
+        format!("SELECT {BUCKET_COLUMNS} FROM resource_buckets {only} ORDER BY tenant_id, resource_key, bucket"),
+    ]
 }

@@ -28,7 +28,7 @@ use super::{
 use crate::apply::port::run_now;
 use crate::apply::{buckets, reads, reservations, resources};
 use crate::engine::{
-    LedgerEntry, OrderDocument, OrderRequest, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
+    LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
     ResourceStatus, TenantId,
 };
 use crate::ratelimit::RateLimit;
@@ -392,13 +392,27 @@ impl Storage for SqliteStorage {
         self.writer()?.submit(move |conn| run_now(buckets::rebalance(&mut SqlitePort::new(conn), now_ms, limit))).await
     }
 
-    async fn reconcile(&self, tenant: Option<&TenantId>) -> Result<Reconciliation, StorageError> {
+    async fn reconcile(&self, tenant: Option<&TenantId>, pass: Pass) -> Result<Reconciliation, StorageError> {
         // One read transaction: resources and ledger come from the same snapshot, so a commit
         // landing between the reads can never look like drift.
         let tenant = tenant.cloned();
-        self.readers
-            .snapshot(move |conn| run_now(reads::reconciliation(&mut SqlitePort::new(conn), tenant.as_ref())))
-            .await
+        let (report, update) = self
+            .readers
+            .snapshot(move |conn| run_now(reads::reconciliation(&mut SqlitePort::new(conn), tenant.as_ref(), pass)))
+            .await?;
+        // The report stands whether or not its checkpoints are stored: without them the next
+        // pass only replays more.
+        for part in update.into_parts(super::CHECKPOINTS_PER_WRITE) {
+            let saved = self
+                .writer()?
+                .submit(move |conn| run_now(reads::save_checkpoints(&mut SqlitePort::new(conn), &part)))
+                .await;
+            if let Err(err) = saved {
+                tracing::warn!(error = %err, "reconciliation checkpoints not saved; the next pass replays more");
+                break;
+            }
+        }
+        Ok(report)
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

@@ -15,11 +15,11 @@ use crate::apply::port::{
 use crate::apply::reads::{LedgerRows, Reads};
 use crate::engine::admission::Row as AdmissionRow;
 use crate::engine::{
-    BucketCounts, Kind, LedgerEntry, LimitSpec, Mode, Reservation, ReservationState, ResourceState, ResourceStatus,
-    TenantId, MAX_TOTAL,
+    BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
+    ResourceStatus, TenantId, MAX_TOTAL,
 };
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL, STORED_OUTCOME_SQL};
-use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
+use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
 
 pub(super) fn corrupt(what: &str) -> StorageError {
@@ -637,7 +637,45 @@ impl Port for SqlitePort<'_> {
         }
         Ok(())
     }
+
+    async fn advance_checkpoints(&mut self, checkpoints: &[Checkpoint]) -> Result<(), StorageError> {
+        let mut statement = self.conn.prepare_cached(ADVANCE_CHECKPOINT)?;
+        for c in checkpoints {
+            let n = &c.counters;
+            statement.execute(params![
+                c.tenant,
+                c.key,
+                c.bucket,
+                n.version,
+                n.available,
+                n.reserved,
+                n.consumed,
+                n.total
+            ])?;
+        }
+        Ok(())
+    }
+
+    async fn forget_checkpoints(&mut self, which: &[(String, String, i64)]) -> Result<(), StorageError> {
+        let mut statement = self.conn.prepare_cached(
+            "DELETE FROM ledger_checkpoints WHERE tenant_id = ?1 AND resource_key = ?2 AND bucket = ?3",
+        )?;
+        for (tenant, key, bucket) in which {
+            statement.execute(params![tenant, key, bucket])?;
+        }
+        Ok(())
+    }
 }
+
+/// A checkpoint replaces the stored one unless that one is newer (a slower pass of another
+/// process, or of this one, must not move it back).
+const ADVANCE_CHECKPOINT: &str =
+    "INSERT INTO ledger_checkpoints (tenant_id, resource_key, bucket, version, available, reserved, consumed, total)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+     ON CONFLICT (tenant_id, resource_key, bucket) DO UPDATE SET version = excluded.version,
+         available = excluded.available, reserved = excluded.reserved, consumed = excluded.consumed,
+         total = excluded.total
+     WHERE excluded.version >= ledger_checkpoints.version";
 
 impl Reads for SqlitePort<'_> {
     async fn resources_page(
@@ -695,36 +733,48 @@ impl Reads for SqlitePort<'_> {
         Ok(used.unwrap_or(0))
     }
 
-    async fn ledger_rows(&mut self, tenant: Option<&str>) -> Result<LedgerRows, StorageError> {
-        let [resources, sums, newest, buckets] = ledger_rows_sql(tenant.is_some());
+    async fn ledger_rows(&mut self, tenant: Option<&str>, pass: Pass) -> Result<LedgerRows, StorageError> {
+        let [resources, checkpoints, sums, newest, buckets] = ledger_rows_sql(tenant.is_some(), pass);
         // One tenant's reconciliation reads its own rows only (through the tenant-first keys);
         // `?1 IS NULL OR tenant_id = ?1` would scan every tenant's ledger.
         let bind: Vec<&str> = tenant.into_iter().collect();
         let params = rusqlite::params_from_iter(bind.iter());
         let mut statement = self.conn.prepare_cached(&resources)?;
         let resources = all(&mut statement, params.clone(), |row| Ok((row.text("tenant_id")?, rows::resource(row)?)))?;
+        let checkpoints = all(&mut self.conn.prepare_cached(&checkpoints)?, params.clone(), rows::checkpoint)?;
         let sums = all(&mut self.conn.prepare_cached(&sums)?, params.clone(), rows::ledger_sum)?;
         let newest = all(&mut self.conn.prepare_cached(&newest)?, params.clone(), rows::newest_entry)?;
         let buckets = rows::group_buckets(all(&mut self.conn.prepare_cached(&buckets)?, params, rows::bucket)?);
-        Ok(LedgerRows { resources, sums, newest, buckets })
+        Ok(LedgerRows { resources, checkpoints, sums, newest, buckets })
     }
 }
 
-/// The four queries of reconciliation: resources, per-op ledger sums, newest entries, buckets;
-/// for one tenant (`?1`) or for all.
-fn ledger_rows_sql(one_tenant: bool) -> [String; 4] {
+/// The five queries of reconciliation: resources, checkpoints, per-op ledger sums, newest
+/// entries, buckets; for one tenant (`?1`) or for all. The ledger is read per resource (bucket)
+/// as one range of `ledger_by_version`: after its checkpoint's version in an incremental pass,
+/// from the start in a full one.
+fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
     let only = if one_tenant { "WHERE tenant_id = ?1" } else { "" };
+    let targets = rows::reconciliation_targets(one_tenant.then_some("?1"), pass);
     [
         format!("SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources {only} ORDER BY tenant_id, key"),
+        format!("SELECT {CHECKPOINT_COLUMNS} FROM ledger_checkpoints {only}"),
         format!(
-            "SELECT tenant_id, resource_key, bucket, op, SUM(qty) AS qty, COUNT(*) AS n FROM ledger {only}
-             GROUP BY tenant_id, resource_key, bucket, op"
+            "{targets}
+             SELECT w.tenant_id, w.resource_key, w.bucket, l.op, SUM(l.qty) AS qty, COUNT(*) AS n
+             FROM w JOIN ledger l
+               ON l.tenant_id = w.tenant_id AND l.resource_key = w.resource_key AND l.bucket = w.bucket
+              AND l.version_after > w.since
+             GROUP BY w.tenant_id, w.resource_key, w.bucket, l.op"
         ),
         format!(
-            "SELECT l.tenant_id, l.resource_key, l.bucket, l.available_after, l.reserved_after, l.consumed_after
-             FROM ledger l
-             JOIN (SELECT MAX(seq) AS seq FROM ledger {only} GROUP BY tenant_id, resource_key, bucket) m
-               ON l.seq = m.seq"
+            "{targets}
+             SELECT w.tenant_id, w.resource_key, w.bucket, l.available_after, l.reserved_after, l.consumed_after
+             FROM w JOIN ledger l ON l.seq = (
+                 SELECT x.seq FROM ledger x
+                 WHERE x.tenant_id = w.tenant_id AND x.resource_key = w.resource_key AND x.bucket = w.bucket
+                   AND x.version_after > w.since
+                 ORDER BY x.version_after DESC LIMIT 1)"
         ),
         format!("SELECT {BUCKET_COLUMNS} FROM resource_buckets {only} ORDER BY tenant_id, resource_key, bucket"),
     ]
@@ -741,7 +791,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let mut conn = Connection::open(dir.path().join("plan.db")).expect("a database");
         super::super::migrate::run(&mut conn).expect("migrations");
-        for sql in ledger_rows_sql(true) {
+        for sql in ledger_rows_sql(true, Pass::Incremental).into_iter().chain(ledger_rows_sql(true, Pass::Full)) {
             let mut explain = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).expect("explain");
             let plan: Vec<String> = explain
                 .query_map(params!["shop"], |row| row.get::<_, String>(3))
@@ -754,6 +804,42 @@ mod tests {
                 step.strip_prefix("SCAN ").is_some_and(|t| tables.contains(&t.split(' ').next().unwrap_or("")))
             });
             assert!(whole.is_none(), "{sql}\nscans a whole table: {plan:?}");
+        }
+    }
+
+    /// The steps of SQLite's plan for `sql` with the tenant bound to `?1`.
+    fn plan_of(conn: &Connection, sql: &str) -> Vec<String> {
+        let mut explain = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).expect("explain");
+        explain
+            .query_map(params!["shop"], |row| row.get::<_, String>(3))
+            .expect("plan rows")
+            .collect::<rusqlite::Result<_>>()
+            .expect("plan")
+    }
+
+    /// Proves an incremental pass reads each resource's (bucket's) ledger from its checkpoint
+    /// on: SQLite searches the ledger (for the sums and for the newest entry) only as a range of
+    /// `ledger_by_version` after the watermark, `version_after>?`, never the whole ledger of a
+    /// resource or of the tenant.
+    #[test]
+    fn an_incremental_pass_reads_the_ledger_after_each_watermark_only() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let mut conn = Connection::open(dir.path().join("plan.db")).expect("a database");
+        super::super::migrate::run(&mut conn).expect("migrations");
+        let [_, _, sums, newest, _] = ledger_rows_sql(true, Pass::Incremental);
+        for sql in [sums, newest] {
+            let plan = plan_of(&conn, &sql);
+            // `SEARCH l ...`, `SCAN x ...`: the steps that read the ledger (aliased `l` and `x`).
+            let ledger: Vec<&String> =
+                plan.iter().filter(|step| matches!(step.split(' ').nth(1), Some("l" | "x"))).collect();
+            assert!(!ledger.is_empty(), "{sql}\nreads no ledger: {plan:?}");
+            for step in &ledger {
+                let ranged = step.starts_with("SEARCH")
+                    && step.contains("ledger_by_version")
+                    && step.contains("version_after>?");
+                let by_seq = step.contains("INTEGER PRIMARY KEY (rowid=?)");
+                assert!(ranged || by_seq, "{sql}\nreads the ledger otherwise than after the watermark: {plan:?}");
+            }
         }
     }
 }
