@@ -174,6 +174,9 @@ pub struct Outcome {
     /// A refusal decided by Redis is kept only in Redis (docs/REDIS.md, "Limits"): a Redis data
     /// loss forgets it, and the key may then be decided afresh.
     pub redis_refusal: bool,
+    /// A refusal decided in Redis for a resource switched to db mode since: the switch deleted
+    /// Redis's record of it, and a retry is decided afresh (a known bug, docs/TESTING.md).
+    pub forgotten: bool,
 }
 
 /// An applied order: its id, action and lines (resource index, quantity).
