@@ -621,3 +621,28 @@ async fn a_process_with_a_stale_mode_never_sells_from_the_database_copy() {
     shop_a.assert_ledger_replays_to_state("sku-1").await;
     drop(sibling);
 }
+
+/// Proves `GET /v1/reconciliation` lists the tenant's redis-mode resources as the database holds
+/// them, not as the answering process last refreshed its view of them: B's view never refreshes
+/// (`mode_refresh_ms` is an hour); A switches sku-1 into redis mode, and B's report lists it,
+/// warmed and without drift; A switches it back, and B's report lists nothing. Found by the model
+/// check (`tests/model/`, seeds 102 to 104).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciliation_lists_the_redis_mode_resources_the_database_holds() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "mode_refresh_ms = 3600000").await;
+    let sibling = app.spawn_sibling().await;
+    let shop_a = app.create_tenant("shop").await;
+    let shop_b = sibling.tenant_with_key("shop", &shop_a.api_key);
+    shop_a.create_resource("sku-1", 10).await;
+
+    let switched = shop_a.patch("/v1/resources/sku-1", &json!({"mode": "redis"})).await.expect_json(200);
+    assert_eq!(switched["mode"], "redis", "{switched}");
+    let report = reconciliation(&shop_b).await;
+    let entry = redis_entry(&report, "sku-1");
+    assert_eq!((entry["warmed"].clone(), entry["drift"].clone()), (json!(true), json!(0)), "{report}");
+
+    let switched = shop_a.patch("/v1/resources/sku-1", &json!({"mode": "db"})).await.expect_json(200);
+    assert_eq!(switched["mode"], "db", "{switched}");
+    assert_eq!(reconciliation(&shop_b).await["redis"], json!([]));
+    drop(sibling);
+}
