@@ -1121,12 +1121,6 @@ impl Sim {
         self.note(format!("full check ({why})"));
         self.quiesce().await;
         self.count("full check");
-        // Redis may lack stock returned in the database (see `Resource::shortfall`): a warm ends it.
-        for rid in 0..self.model.resources.len() {
-            if self.model.resources[rid].mode == Mode::Redis && self.model.resources[rid].shortfall > 0 {
-                self.warm(rid).await;
-            }
-        }
         let report = self.settle().await;
         if report["checked"] != self.model.resources.len() || report["drift"] != json!([]) {
             self.fail(format!("reconciliation: {report}"));
@@ -1145,6 +1139,12 @@ impl Sim {
     /// Waits until Redis has nothing left to settle and every resource shows exactly the
     /// model's counters and mode; returns the reconciliation report that showed it.
     async fn settle(&mut self) -> Value {
+        // Redis may lack stock returned in the database (see `Resource::shortfall`): a warm ends it.
+        for rid in 0..self.model.resources.len() {
+            if self.model.resources[rid].mode == Mode::Redis && self.model.resources[rid].shortfall > 0 {
+                self.warm(rid).await;
+            }
+        }
         let deadline = tokio::time::Instant::now() + QUIESCE_DEADLINE;
         loop {
             let report = self.get_json("/v1/reconciliation").await;
