@@ -171,6 +171,12 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// Where it keeps its snapshot (`dump.rdb`, written by `SAVE`, loaded at start).
+    #[allow(dead_code)] // used by the model check (tests/model/), which shares this file
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     /// Starts `redis-server` with these extra arguments and waits for PING.
     pub async fn launch(&mut self, extra: &[&str]) {
         assert!(self.child.is_none(), "launch() while redis-server runs");

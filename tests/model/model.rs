@@ -53,6 +53,9 @@ pub struct Resource {
     /// Stock returned in the database (release or expiry of a reservation carried over a Redis
     /// data loss) that Redis has not seen, until the next warm (docs/REDIS.md, "Limits").
     pub shortfall: i64,
+    /// In redis mode, Redis restored from an older snapshot: it sells from stock the database
+    /// may no longer hold, until the next warm (or adjustment, or switch to db) reloads it.
+    pub diverged: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
