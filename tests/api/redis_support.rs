@@ -119,8 +119,13 @@ pub enum TableHold {
 
 impl TableHold {
     pub async fn take(database_url: &str) -> TableHold {
+        TableHold::take_on(Backend::from_env(), database_url).await
+    }
+
+    /// Like [`TableHold::take`] on a backend the caller names (the model check's own topology).
+    pub async fn take_on(backend: Backend, database_url: &str) -> TableHold {
         use sqlx::Connection;
-        match Backend::from_env() {
+        match backend {
             Backend::Sqlite => {
                 let mut conn = sqlx::SqliteConnection::connect(database_url).await.expect("the SQLite file opens");
                 sqlx::query("BEGIN EXCLUSIVE").execute(&mut conn).await.expect("an exclusive transaction starts");

@@ -63,6 +63,7 @@ struct Proc {
 }
 
 pub struct Sim {
+    backend: Backend,
     seed: u64,
     steps: u64,
     step: u64,
@@ -112,6 +113,7 @@ pub async fn run(backend: Backend, processes: usize, salt: u64) {
         procs.push(Proc { app, client, paused: false });
     }
     let mut sim = Sim {
+        backend,
         seed,
         steps,
         step: 0,
@@ -332,6 +334,7 @@ impl Sim {
             960..=969 if !paused && self.snapshot.is_some() => self.redis_rollback_step().await,
             960..=969 if !paused => self.redis_restart_step().await,
             970..=979 if !paused && self.snapshot.is_none() => self.redis_snapshot_step().await,
+            980..=989 if !paused => self.hold_step().await,
             _ => self.order_step(Action::Deduct).await,
         };
         for rid in touched {
@@ -726,6 +729,10 @@ impl Sim {
             return self.order_step(Action::Deduct).await;
         }
         let outcome = self.model.outcomes[self.rng.random_range(0..self.model.outcomes.len())].clone();
+        self.replay(outcome, mismatch).await
+    }
+
+    async fn replay(&mut self, outcome: Outcome, mismatch: bool) -> Vec<usize> {
         let mut body = outcome.request.body.clone();
         if mismatch {
             match outcome.request.effect {
@@ -1066,6 +1073,57 @@ impl Sim {
             }
         }
         redis
+    }
+
+    /// The database's resources table held from outside (`TableHold`: settlement cannot
+    /// commit, reads go on) while a few redis-mode orders sell and one stored outcome is
+    /// replayed: sales, refusals, sold-out answers and replays come from Redis alone, and once
+    /// the hold is released everything settles.
+    async fn hold_step(&mut self) -> Vec<usize> {
+        let redis: Vec<usize> = (0..self.model.resources.len())
+            .filter(|&rid| self.model.resources[rid].mode == Mode::Redis && self.model.resources[rid].warmed)
+            .filter(|&rid| !self.model.mode_recently_changed(&[(rid, 0)]))
+            .collect();
+        if redis.is_empty() {
+            return self.order_step(Action::Deduct).await;
+        }
+        let url = self.procs[0].app.database_url().to_owned();
+        let hold = crate::redis_support::TableHold::take_on(self.backend, &url).await;
+        self.note("database's resources table held".to_owned());
+        self.count("table hold");
+        let mut touched = Vec::new();
+        for _ in 0..self.rng.random_range(1..=4) {
+            let rid = redis[self.rng.random_range(0..redis.len())];
+            let qty = self.rng.random_range(1..=4);
+            let order_id = self.fresh("ord");
+            let request = Request {
+                path: "/v1/orders".to_owned(),
+                key: self.fresh("idem"),
+                body: json!({"order_id": order_id, "action": "deduct", "lines": [{"key": self.model.resources[rid].key, "qty": qty}]}),
+                effect: Effect::Order { action: Action::Deduct, order_id, lines: vec![(rid, qty)] },
+            };
+            let verdict = self.verdict(&request);
+            let p = self.live();
+            let reply = self.send(p, |c| c.keyed(&request.path, &request.key, &request.body)).await;
+            self.absorb(request, reply, Some(verdict)).await;
+            touched.push(rid);
+        }
+        // A replay answered from Redis's record (or the database's, by a read), never one that
+        // might write while the table is held.
+        let replayable: Vec<Outcome> = self
+            .model
+            .outcomes
+            .iter()
+            .filter(|o| !o.forgotten && touched_by(&o.request).iter().all(|rid| redis.contains(rid)))
+            .cloned()
+            .collect();
+        if !replayable.is_empty() && self.rng.random_bool(0.7) {
+            let outcome = replayable[self.rng.random_range(0..replayable.len())].clone();
+            self.replay(outcome, false).await;
+        }
+        hold.release().await;
+        self.note("hold released".to_owned());
+        touched
     }
 
     /// Redis saves a snapshot (`SAVE`) once everything has settled and no
