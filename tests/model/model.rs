@@ -122,6 +122,13 @@ pub struct Reservation {
     /// Held in Redis when Redis lost its data: continued on the database path, where its
     /// release or expiry is invisible to Redis until the next warm.
     pub carried_over: bool,
+    /// Confirmed or released in Redis after its deadline had come (due): the database's sweeper
+    /// may have expired it first, and the move then fails to settle (docs/REDIS.md,
+    /// "Reservations"). Settled by `Sim::resolve_late_moves` once nothing is left to settle.
+    pub late_redis_move: bool,
+    /// Its final state differs between Redis and the database (a late move the database
+    /// refused): no longer read or moved through the API.
+    pub disputed: bool,
 }
 
 impl Reservation {
@@ -355,6 +362,8 @@ impl Model {
                     state: RsvState::Held,
                     pending: None,
                     carried_over: false,
+                    late_redis_move: false,
+                    disputed: false,
                 });
             }
         }
@@ -377,9 +386,13 @@ impl Model {
         if rsv.state == RsvState::Held && seen != RsvState::Held {
             let lines = rsv.lines.clone();
             let carried_over = rsv.carried_over;
+            let late = rsv.due(now)
+                && seen != RsvState::Expired
+                && lines.iter().any(|(rid, _)| self.resources[*rid].mode == Mode::Redis);
             let rsv = &mut self.reservations[index];
             rsv.state = seen;
             rsv.pending = None;
+            rsv.late_redis_move = late;
             for (rid, qty) in lines {
                 match seen {
                     RsvState::Confirmed => self.resources[rid].consumed += qty,

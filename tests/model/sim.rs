@@ -624,6 +624,7 @@ impl Sim {
     async fn move_step(&mut self, mv: Move) -> Vec<usize> {
         let candidates: Vec<usize> = (0..self.model.reservations.len())
             .filter(|&i| self.model.reservations[i].pending.is_none_or(|p| p == mv))
+            .filter(|&i| !self.model.reservations[i].disputed)
             .collect();
         if candidates.is_empty() {
             return self.order_step(Action::Reserve).await;
@@ -688,6 +689,9 @@ impl Sim {
             return self.order_step(Action::Reserve).await;
         }
         let index = self.rng.random_range(0..self.model.reservations.len());
+        if self.model.reservations[index].disputed {
+            return Vec::new();
+        }
         self.observe(index).await;
         self.model.reservations[index].lines.iter().map(|(rid, _)| *rid).collect()
     }
@@ -1229,6 +1233,66 @@ impl Sim {
         }
     }
 
+    /// Once everything is settled: a confirm or release Redis made after the reservation's
+    /// deadline settled as that move, or the database's sweeper had expired the reservation
+    /// first and the move is listed as a settlement failure (`reservation_expired`). A refused
+    /// confirm is documented (docs/REDIS.md, "Reservations"): the model takes the expiry, which
+    /// gives the stock back. A refused release is finding 5 in docs/TESTING.md (Redis says
+    /// `released`, the database `expired`; the same stock comes back either way).
+    async fn resolve_late_moves(&mut self, report: &Value) -> bool {
+        let late: Vec<usize> = (0..self.model.reservations.len())
+            .filter(|&i| self.model.reservations[i].late_redis_move && !self.model.reservations[i].disputed)
+            .collect();
+        let mut warmed = false;
+        let failures = report["settlement_failures"].as_array().cloned().unwrap_or_default();
+        for index in late {
+            let (id, state, lines) = {
+                let rsv = &self.model.reservations[index];
+                (rsv.id.clone(), rsv.state, rsv.lines.clone())
+            };
+            let (rid, qty) = lines[0];
+            let key = self.model.resources[rid].key.clone();
+            let p = self.live();
+            let client = self.procs[p].client.clone();
+            let entries = client.ledger(&key).await;
+            let moves: Vec<&Value> =
+                entries.iter().filter(|e| e["reservation_id"] == id.as_str() && e["op"] != "reserve").collect();
+            let op = state.ledger_op().unwrap_or("");
+            let move_name = if state == RsvState::Confirmed { "confirm" } else { "release" };
+            let request_id = format!("{id}:{move_name}");
+            let refused = failures.iter().any(|f| f["request_id"] == request_id.as_str() && f["qty"] == qty);
+            match (moves.as_slice(), refused) {
+                ([only], false) if only["op"] == op => self.model.reservations[index].late_redis_move = false,
+                ([only], true) if only["op"] == "expire" => {
+                    self.explained_failures.insert(request_id.clone());
+                    let rsv = &mut self.model.reservations[index];
+                    rsv.late_redis_move = false;
+                    rsv.disputed = true;
+                    rsv.state = RsvState::Expired;
+                    if state == RsvState::Confirmed {
+                        // Redis consumed what the database gave back: Redis is short until a warm.
+                        self.model.resources[rid].consumed -= qty;
+                        self.count("late confirm in Redis refused by the database's expiry (documented)");
+                        if self.model.resources[rid].mode == Mode::Redis {
+                            self.warm(rid).await;
+                            warmed = true;
+                        }
+                    } else {
+                        self.known_bug(
+                            "a late release in Redis refused by the database's expiry",
+                            format!("reservation {id}: released in Redis, expired in the database, settlement failure {request_id}"),
+                        );
+                    }
+                }
+                _ => self.fail(format!(
+                    "reservation {id} moved to {state:?} in Redis after its deadline: ledger moves {moves:?}, \
+                     settlement failure {request_id}: {refused}"
+                )),
+            }
+        }
+        warmed
+    }
+
     // ---------------------------------------------------------------- checks
 
     #[track_caller]
@@ -1329,7 +1393,10 @@ impl Sim {
             .as_array()
             .into_iter()
             .flatten()
-            .filter(|f| !self.explained_failures.contains(f["idempotency_key"].as_str().unwrap_or("")))
+            .filter(|f| {
+                !self.explained_failures.contains(f["idempotency_key"].as_str().unwrap_or(""))
+                    && !self.explained_failures.contains(f["request_id"].as_str().unwrap_or(""))
+            })
             .collect();
         if !unexplained.is_empty() {
             self.fail(format!("settlement failures no fault explains: {unexplained:?}"));
@@ -1361,6 +1428,11 @@ impl Sim {
                 if entry["backlog"] != 0 || entry["unsettled"] != 0 || entry["drift"] != 0 {
                     differences.push(format!("redis {entry}"));
                 }
+            }
+            if entries.iter().all(|e| e["backlog"] == 0 && e["unsettled"] == 0)
+                && self.resolve_late_moves(&report).await
+            {
+                continue; // a refused late confirm left Redis short: warmed, look again
             }
             for rid in 0..self.model.resources.len() {
                 let key = self.model.resources[rid].key.clone();
