@@ -220,6 +220,9 @@ pub struct Model {
     pub plugin_history: Vec<(i64, Option<Instant>)>,
     /// Plugin versions uploaded so far.
     pub plugin_versions: Vec<i64>,
+    /// When a paused process was last resumed: its cached views (modes, plugin version) may be
+    /// older than any change made while it was stopped, until it refreshes them.
+    pub resumed_at: Option<Instant>,
 }
 
 impl Model {
@@ -420,12 +423,16 @@ impl Model {
     /// Whether an order planned just now may name this plugin version: the active one, or one
     /// active until less than `STALE_VIEW` ago (another process's cache).
     pub fn plugin_may_plan(&self, version: i64) -> bool {
-        self.plugin_history.iter().any(|(v, until)| *v == version && until.is_none_or(|t| t.elapsed() < STALE_VIEW))
+        let resumed = self.resumed_at.is_some_and(|t| t.elapsed() < STALE_VIEW);
+        self.plugin_history
+            .iter()
+            .any(|(v, until)| *v == version && (resumed || until.is_none_or(|t| t.elapsed() < STALE_VIEW)))
     }
 
     /// Whether a mode change of any of these resources is recent enough for another process to
     /// still route by the old mode.
     pub fn mode_recently_changed(&self, lines: &[(usize, i64)]) -> bool {
-        lines.iter().any(|(rid, _)| self.resources[*rid].mode_changed.elapsed() < STALE_VIEW)
+        self.resumed_at.is_some_and(|t| t.elapsed() < STALE_VIEW)
+            || lines.iter().any(|(rid, _)| self.resources[*rid].mode_changed.elapsed() < STALE_VIEW)
     }
 }

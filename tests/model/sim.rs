@@ -272,6 +272,7 @@ impl Sim {
             if self.procs[p].paused {
                 self.signal(p, "-CONT");
                 self.procs[p].paused = false;
+                self.model.resumed_at = Some(std::time::Instant::now());
             }
         }
         self.pause_left = 0;
