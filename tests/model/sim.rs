@@ -20,7 +20,7 @@ use crate::model::{Action, Effect, Mode, Model, Move, Outcome, Request, Resource
 use crate::redis_support::RedisServer;
 
 /// Steps per test when `STOCKD_MODEL_STEPS` is not set: what CI runs.
-const DEFAULT_STEPS: u64 = 120;
+const DEFAULT_STEPS: u64 = 250;
 /// Steps between two full checks (besides the ones after each fault and at the end).
 const FULL_CHECK_EVERY: u64 = 40;
 /// How long the full check may take to resolve open requests and to see everything settled.
