@@ -61,7 +61,7 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --locked -- -D warnings
 
-echo "== cargo test (unit tests; HTTP suite on SQLite)"
+echo "== cargo test (unit tests; HTTP suite on SQLite; fault tests; model check, see docs/TESTING.md)"
 cargo test --all-targets --locked
 
 echo "== cargo test (HTTP suite on PostgreSQL)"

@@ -263,11 +263,17 @@ pub async fn reconciliation(
     let mut report =
         ReconciliationReport { ledger, redis: Vec::new(), redis_reachable: true, settlement_failures, dead_letters };
     let Some(hot) = redis else { return Ok(report) };
-    let mut keys: Vec<String> =
-        hot.redis_resources().into_iter().filter(|(t, _)| t == tenant.as_str()).map(|(_, k)| k).collect();
-    keys.sort();
+    // The database's list, not this process's view (refreshed every `mode_refresh_ms`): a
+    // resource switched through another process is reported at once.
+    let mut keys: Vec<ResourceKey> = storage
+        .redis_resources(super::MAX_RESOURCES)
+        .await?
+        .into_iter()
+        .filter(|(t, _)| t == tenant)
+        .map(|(_, k)| k)
+        .collect();
+    keys.sort_by(|a, b| a.as_str().cmp(b.as_str()));
     for key in keys {
-        let Ok(key) = ResourceKey::parse(key) else { continue };
         let Some(db) = storage.get_resource(tenant, &key).await? else { continue };
         match hot.compare(tenant, &db).await {
             Ok(drift) => {

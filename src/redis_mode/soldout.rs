@@ -89,7 +89,8 @@ fn parse(message: &str) -> Option<(Mark, &str, &str)> {
     Some((mark, tenant, key))
 }
 /// Listens to the channel until shutdown, resubscribing (and forgetting every mark, which may
-/// have missed a restock meanwhile) whenever the subscription drops.
+/// have missed a restock meanwhile, when it drops and again once it is back) whenever the
+/// subscription drops.
 pub fn spawn(hot: Arc<RedisMode>, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
     tokio::spawn(async move {
         loop {
@@ -114,6 +115,10 @@ async fn listen(hot: &RedisMode) -> redis::RedisResult<()> {
     let client = hot.link().pubsub_client().await?;
     let mut pubsub = client.get_async_pubsub().await?;
     pubsub.subscribe(hot.channel()).await?;
+    // A mark set while the subscription was down (by this process's own sales) may have missed
+    // the announcement that cleared it (a release, an expiry): forget them now that every later
+    // announcement arrives.
+    hot.sold_out.clear();
     let mut messages = pubsub.on_message();
     while let Some(msg) = messages.next().await {
         let payload: String = msg.get_payload()?;

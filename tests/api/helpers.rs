@@ -169,8 +169,14 @@ pub async fn spawn_app() -> TestApp {
 }
 
 pub async fn spawn_app_with(opts: AppOptions) -> TestApp {
+    spawn_app_on(Backend::from_env(), opts).await
+}
+
+/// Like [`spawn_app_with`], on a backend the caller chooses instead of `STOCKD_TEST_BACKEND`
+/// (the model check in `tests/model/` picks its own topology).
+pub async fn spawn_app_on(backend: Backend, opts: AppOptions) -> TestApp {
     let dir = tempfile::tempdir().expect("a temporary directory can be created");
-    let (database_url, database) = Backend::from_env().fresh_database(dir.path()).await;
+    let (database_url, database) = backend.fresh_database(dir.path()).await;
     let config_path = dir.path().join("stockd.toml");
     let config = format!(
         "# Written by tests/api/helpers.rs; listen address, database and admin token come from env.\n{}",

@@ -660,3 +660,63 @@ impl Monitor {
             .expect("reader")
     }
 }
+
+/// Proves `GET /v1/reconciliation` lists the tenant's redis-mode resources as the database holds
+/// them, not as the answering process last refreshed its view of them: B's view never refreshes
+/// (`mode_refresh_ms` is an hour); A switches sku-1 into redis mode, and B's report lists it,
+/// warmed and without drift; A switches it back, and B's report lists nothing. Found by the model
+/// check (`tests/model/`, seeds 102 to 104).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciliation_lists_the_redis_mode_resources_the_database_holds() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "mode_refresh_ms = 3600000").await;
+    let sibling = app.spawn_sibling().await;
+    let shop_a = app.create_tenant("shop").await;
+    let shop_b = sibling.tenant_with_key("shop", &shop_a.api_key);
+    shop_a.create_resource("sku-1", 10).await;
+
+    let switched = shop_a.patch("/v1/resources/sku-1", &json!({"mode": "redis"})).await.expect_json(200);
+    assert_eq!(switched["mode"], "redis", "{switched}");
+    let report = reconciliation(&shop_b).await;
+    let entry = redis_entry(&report, "sku-1");
+    assert_eq!((entry["warmed"].clone(), entry["drift"].clone()), (json!(true), json!(0)), "{report}");
+
+    let switched = shop_a.patch("/v1/resources/sku-1", &json!({"mode": "db"})).await.expect_json(200);
+    assert_eq!(switched["mode"], "db", "{switched}");
+    assert_eq!(reconciliation(&shop_b).await["redis"], json!([]));
+    drop(sibling);
+}
+
+/// Proves stock a released reservation gives back to Redis is sold again after Redis was
+/// restarted: Redis restarts empty and the resource is warmed at once, while the process's
+/// sold-out subscription is still down; a reservation takes the whole stock, so the process
+/// holds the resource as sold out (a new order is refused `sold_out`); the reservation is
+/// released (its in-stock announcement goes out before the subscription is back), and an order
+/// for that stock must apply once the subscription is back, not be answered `sold_out` from
+/// memory for ever. Found by the model check (`tests/model/`, seed 110).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stock_a_released_reservation_gives_back_is_sold_again_after_a_redis_restart() {
+    let mut redis = RedisServer::start().await;
+    let (app, _prefix) = redis_app(&redis.url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 3).await;
+    redis.restart().await;
+    let warmed = shop.post("/v1/resources/sku-1/warm", &json!({})).await.expect_json(200);
+    assert_eq!(warmed["redis_available"], 3, "{warmed}");
+
+    let held = shop.order("r1", &reserve("r1", &[("sku-1", 3)], Some(3600))).await.expect_json(201);
+    let id = held["reservation_id"].as_str().expect("a reservation id").to_owned();
+    wait_settled(&shop, "sku-1", 0).await;
+    assert_eq!(reason(&shop.order("late", &deduct_one("late", "sku-1", 1, None)).await), "sold_out");
+
+    assert_eq!(shop.release(&id).await.expect_json(200)["state"], "released");
+    let body = deduct_one("again", "sku-1", 1, None);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = order_through_503(&shop, "again", &body).await;
+        if reply.status() == 201 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the released stock is never sold: {}", reply.text);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -119,8 +119,13 @@ pub enum TableHold {
 
 impl TableHold {
     pub async fn take(database_url: &str) -> TableHold {
+        TableHold::take_on(Backend::from_env(), database_url).await
+    }
+
+    /// Like [`TableHold::take`] on a backend the caller names (the model check's own topology).
+    pub async fn take_on(backend: Backend, database_url: &str) -> TableHold {
         use sqlx::Connection;
-        match Backend::from_env() {
+        match backend {
             Backend::Sqlite => {
                 let mut conn = sqlx::SqliteConnection::connect(database_url).await.expect("the SQLite file opens");
                 sqlx::query("BEGIN EXCLUSIVE").execute(&mut conn).await.expect("an exclusive transaction starts");
@@ -169,6 +174,12 @@ impl RedisServer {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Where it keeps its snapshot (`dump.rdb`, written by `SAVE`, loaded at start).
+    #[allow(dead_code)] // used by the model check (tests/model/), which shares this file
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.path()
     }
 
     /// Starts `redis-server` with these extra arguments and waits for PING.

@@ -192,6 +192,16 @@ async fn a_redis_mode_replay_after_sold_out_returns_the_first_answer_without_dat
     assert_sold_once(&shop).await;
 }
 
+/// Creates the redis-mode `sku-1` and sends order `k0` for more than its stock: refused by
+/// Redis (`409 insufficient`, an outcome kept in Redis alone). Returns its body and answer.
+async fn refused_by_redis(shop: &TenantClient) -> (Value, Reply) {
+    redis_sku(shop).await;
+    let body = deduct_one("O-0", "sku-1", REDIS_STOCK + 1, None);
+    let refused = shop.order("k0", &body).await;
+    assert_eq!(refused.json()["lines"][0]["reason"], "insufficient", "{}", refused.text);
+    (body, refused)
+}
+
 /// Proves a retry of an order Redis refused (`409 insufficient`, an outcome kept in Redis) gets
 /// that refusal again, byte for byte, after the resource sold out and the sale settled: `k0`
 /// asks for more than the stock and is refused, `k1` buys the whole stock, and once the sale is
@@ -205,11 +215,7 @@ async fn a_redis_mode_replay_after_sold_out_returns_the_first_answer_without_dat
 async fn a_redis_mode_refusal_replayed_after_sold_out_returns_the_first_answer() {
     let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
     let shop = app.create_tenant("shop").await;
-    redis_sku(&shop).await;
-
-    let refused_body = deduct_one("O-0", "sku-1", REDIS_STOCK + 1, None);
-    let refused = shop.order("k0", &refused_body).await;
-    assert_eq!(refused.json()["lines"][0]["reason"], "insufficient", "{}", refused.text);
+    let (refused_body, refused) = refused_by_redis(&shop).await;
     let (_, _) = sell_out(&shop).await;
     assert_sold_once(&shop).await;
     assert_known_sold_out(&shop, "k3").await;
@@ -227,11 +233,7 @@ async fn a_redis_mode_refusal_replayed_after_sold_out_returns_the_first_answer()
 async fn a_redis_mode_refusal_replayed_after_a_switch_to_db_returns_the_first_answer() {
     let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
     let shop = app.create_tenant("shop").await;
-    redis_sku(&shop).await;
-
-    let refused_body = deduct_one("O-0", "sku-1", REDIS_STOCK + 1, None);
-    let refused = shop.order("k0", &refused_body).await;
-    assert_eq!(refused.json()["lines"][0]["reason"], "insufficient", "{}", refused.text);
+    let (refused_body, refused) = refused_by_redis(&shop).await;
     shop.adjust("sku-1", "restock-1", 10).await.expect_json(200);
     let switched = shop.patch("/v1/resources/sku-1", &json!({"mode": "db"})).await.expect_json(200);
     assert_eq!(switched["mode"], "db", "{switched}");
