@@ -764,7 +764,6 @@ impl Sim {
             lines[0].1 += 1;
         }
         sent.body = body.clone();
-        let fresh_verdict = self.verdict(&sent);
         let p = self.live();
         let (path, key) = (outcome.request.path.clone(), outcome.request.key.clone());
         let reply = self.send(p, |c| c.keyed(&path, &key, &body)).await;
@@ -777,13 +776,12 @@ impl Sim {
             }
         };
         if outcome.redis_refusal && answered_sold_out(&reply) {
-            // Known bug (docs/TESTING.md, "Findings"): once a resource is sold out and settled,
-            // a process answers `sold_out` from memory before looking up refusals Redis keeps.
-            self.known_bug(
-                "a refusal Redis decided replayed as sold_out",
-                format!("key {key}, decided in Redis as {}, answered {}", outcome.text, reply.text),
-            );
-            return Vec::new();
+            // Finding 1 (docs/TESTING.md), fixed: refusals Redis decides are settled into the
+            // database, so a sold-out process finds them there.
+            self.fail(format!(
+                "a refusal Redis decided replayed as sold_out: key {key}, decided in Redis as {}, answered {}",
+                outcome.text, reply.text
+            ));
         }
         let as_stored = if mismatch {
             reply.status() == 422 && reply.json()["code"] == "idempotency_key_mismatch"
@@ -791,20 +789,12 @@ impl Sim {
             reply.replayed() && reply.text == outcome.text
         };
         if outcome.forgotten && !as_stored {
-            // Known bug (docs/TESTING.md, "Findings"): the switch to db mode deleted Redis's
-            // record of this refusal; the request was decided afresh, and the model takes that
-            // answer as the request's first.
-            self.known_bug(
-                "a refusal Redis decided forgotten after a switch to db",
-                format!("key {key}, decided in Redis as {}, answered {}", outcome.text, reply.text),
-            );
-            self.model.outcomes.retain(|o| o.request.key != key);
-            if let Effect::Order { order_id, .. } = &outcome.request.effect {
-                self.model.refused_orders.retain(|id| id != order_id);
-            }
-            let touched = touched_by(&sent);
-            self.absorb(sent, Ok(reply), Some(fresh_verdict)).await;
-            return touched;
+            // Finding 2 (docs/TESTING.md), fixed: the switch drains every refusal into the
+            // database first.
+            self.fail(format!(
+                "a refusal Redis decided forgotten after a switch to db: key {key}, decided in Redis as {}, answered {}",
+                outcome.text, reply.text
+            ));
         }
         if mismatch {
             if reply.status() != 422 || reply.json()["code"] != "idempotency_key_mismatch" {
@@ -1366,14 +1356,10 @@ impl Sim {
             }
             self.model.outcomes.retain(|o| o.request.key != idempotency_key);
             self.explained_failures.insert(idempotency_key.clone());
-            self.known_bug(
-                "a sale settled before the release that gave its stock back",
-                format!("order {order_id} (key {idempotency_key}, {qty} of resource {rid}) refused at settlement: {failure}"),
-            );
-            if self.model.resources[rid].mode == Mode::Redis {
-                self.warm(rid).await;
-                warmed = true;
-            }
+            // Finding 6 (docs/TESTING.md), fixed: one process settles a stream, in order.
+            self.fail(format!(
+                "a sale settled before the release that gave its stock back: order {order_id} (key {idempotency_key}, {qty} of resource {rid}) refused at settlement: {failure}"
+            ));
         }
         warmed
     }
