@@ -154,55 +154,60 @@ async fn wait_for_consumers(conn: &mut redis::aio::MultiplexedConnection, stream
 }
 
 /// A process killed with -9 leaves its consumer in the settlement group of every redis-mode
-/// stream (and each restart would add one more). Once it has been idle past `[redis]
-/// dead_consumer_idle_ms` (2 s here) with no pending entry, the live process removes it and
-/// counts the removal in `stockd_redis_consumers_removed_total`; sales still settle, and the
-/// live process's consumer is the one left in the group.
+/// stream (and each restart would add one more). Here the killed process is the one settling
+/// the stream (one process settles a stream at a time): the live one takes the stream over
+/// once the dead one's lease runs out, and once the dead consumer has been idle past `[redis]
+/// dead_consumer_idle_ms` (2 s here) with no pending entry, removes it and counts the removal in
+/// `stockd_redis_consumers_removed_total`; sales still settle, and the live process's consumer
+/// is the one left in the group.
 #[tokio::test]
 async fn the_consumer_of_a_killed_process_leaves_the_settlement_group() {
     let redis_url = shared_redis_url();
-    let (app, prefix) = redis_app(&redis_url, "dead_consumer_idle_ms = 2000").await;
+    let (mut app, prefix) = redis_app(&redis_url, "dead_consumer_idle_ms = 2000").await;
     let shop = app.create_tenant("shop").await;
     create_redis_resource(&shop, "sku-1", 1000).await;
     assert_eq!(order_through_503(&shop, "o1", &deduct_one("o1", "sku-1", 1, None)).await.status(), 201);
     wait_settled(&shop, "sku-1", 1).await;
     let stream = stream_key(&prefix, "shop", "sku-1");
     let mut conn = redis_conn(&redis_url).await;
-    let ours = wait_for_consumers(&mut conn, &stream, 1).await;
+    let dead = wait_for_consumers(&mut conn, &stream, 1).await;
 
-    // The sibling joins the group once it has read an entry (it polls the stream from its first
-    // one-second refresh of the redis-mode resources): sell until it has.
-    let mut sibling = app.spawn_sibling().await;
+    let sibling = app.spawn_sibling().await;
+    let shop_there = sibling.tenant_with_key("shop", &shop.api_key);
+    app.kill9().await;
+    // The sibling takes the stream over (and joins the group) once the dead owner's lease ran
+    // out: sell through it until it has.
     let mut sold = 1;
     let deadline = tokio::time::Instant::now() + DEADLINE;
-    while consumers(&mut conn, &stream).await.len() < 2 {
-        assert!(tokio::time::Instant::now() < deadline, "the sibling never read an entry");
+    let ours = loop {
+        let names = consumers(&mut conn, &stream).await;
+        if let Some(name) = names.iter().find(|name| **name != dead[0]) {
+            break vec![name.clone()];
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the sibling never took the stream over: {names:?}");
         sold += 1;
         let key = format!("o{sold}");
-        assert_eq!(order_through_503(&shop, &key, &deduct_one(&key, "sku-1", 1, None)).await.status(), 201);
+        assert_eq!(order_through_503(&shop_there, &key, &deduct_one(&key, "sku-1", 1, None)).await.status(), 201);
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    wait_settled(&shop, "sku-1", sold).await;
-    let both = consumers(&mut conn, &stream).await;
-    let theirs = both.iter().find(|name| **name != ours[0]).cloned().unwrap_or_else(|| panic!("{both:?}"));
-    sibling.kill9().await;
+    };
+    wait_settled(&shop_there, "sku-1", sold).await;
 
     let deadline = tokio::time::Instant::now() + DEADLINE;
     loop {
         let names = consumers(&mut conn, &stream).await;
-        if !names.contains(&theirs) {
+        if !names.contains(&dead[0]) {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "the dead consumer {theirs} stayed: {names:?}");
+        assert!(tokio::time::Instant::now() < deadline, "the dead consumer {} stayed: {names:?}", dead[0]);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let deadline = tokio::time::Instant::now() + DEADLINE;
-    while metric(&app, "stockd_redis_consumers_removed_total").await != Some(1.0) {
+    while metric(&sibling, "stockd_redis_consumers_removed_total").await != Some(1.0) {
         assert!(tokio::time::Instant::now() < deadline, "the removal was not counted");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // Selling and settling go on.
-    assert_eq!(order_through_503(&shop, "last", &deduct_one("last", "sku-1", 1, None)).await.status(), 201);
-    wait_settled(&shop, "sku-1", sold + 1).await;
+    assert_eq!(order_through_503(&shop_there, "last", &deduct_one("last", "sku-1", 1, None)).await.status(), 201);
+    wait_settled(&shop_there, "sku-1", sold + 1).await;
     assert_eq!(consumers(&mut conn, &stream).await, ours, "the live process's consumer is the one left");
 }
