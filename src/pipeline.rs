@@ -137,20 +137,23 @@ impl Pipeline {
             Err(failure) => return self.replayed_or(tenant, &idempotency, failure.into()).await.map(answer),
         };
         let ttl_seconds = order.ttl_seconds.unwrap_or(self.orders.default_ttl_seconds);
-        let job =
-            OrderJob { tenant: tenant.clone(), idempotency, order, plan, ttl_ms: ttl_seconds.saturating_mul(1000) };
+        let job = Arc::new(OrderJob {
+            tenant: tenant.clone(),
+            idempotency,
+            order,
+            plan,
+            ttl_ms: ttl_seconds.saturating_mul(1000),
+        });
         if let Some(redis) = self.redis.as_deref().filter(|r| r.routes(&job)) {
             return self.order_in_redis(redis, job, now).await;
         }
-        // Kept only where a resource may have entered redis mode unseen (a server with Redis).
-        let again = self.redis.as_ref().map(|_| job.clone());
-        match self.storage.execute_order(job, now).await {
+        match self.storage.execute_order(job.clone(), now).await {
             Ok(executed) => Ok(OrderAnswer { response: executed.response, outcome: executed.outcome }),
             // Planned before this process learnt that a resource entered redis mode (its
             // database copy refused the line): this process's view is corrected by `routes_now`,
             // and the order goes to Redis, its key still free.
-            Err(StorageError::RetryLater(why)) => match (self.redis.as_deref(), again) {
-                (Some(redis), Some(job)) if redis.routes_now(self.storage.as_ref(), &job).await? => {
+            Err(StorageError::RetryLater(why)) => match self.redis.as_deref() {
+                Some(redis) if redis.routes_now(self.storage.as_ref(), &job).await? => {
                     self.order_in_redis(redis, job, now).await
                 }
                 _ => Err(StorageError::RetryLater(why).into()),
@@ -162,7 +165,7 @@ impl Pipeline {
     /// An order whose plan touches a redis-mode resource. Redis holding nothing to sell (cold or
     /// closed) may mean the resource left redis mode without this process knowing yet: the
     /// database is asked, and the order takes the database path if so.
-    async fn order_in_redis(&self, redis: &RedisMode, job: OrderJob, now: i64) -> Result<OrderAnswer, Refusal> {
+    async fn order_in_redis(&self, redis: &RedisMode, job: Arc<OrderJob>, now: i64) -> Result<OrderAnswer, Refusal> {
         let answer = |response| OrderAnswer { response, outcome: None };
         let tenant = &job.tenant;
         if let Some(previous) = self.answered(tenant, &job.idempotency).await? {
@@ -173,7 +176,7 @@ impl Pipeline {
             Err(RedisModeError::NotWarmed(_) | RedisModeError::Closed)
                 if !redis.routes_now(self.storage.as_ref(), &job).await? =>
             {
-                let executed = self.storage.execute_order(job, now).await?;
+                let executed = self.storage.execute_order(job.clone(), now).await?;
                 Ok(OrderAnswer { response: executed.response, outcome: executed.outcome })
             }
             Err(refused) => self.replayed_or(tenant, &job.idempotency, refused.into()).await.map(answer),

@@ -9,6 +9,8 @@ pub mod rows;
 pub mod rules;
 pub mod sqlite;
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 
 use crate::engine::{
@@ -319,7 +321,8 @@ pub trait Storage: redis_store::RedisStore + Send + Sync + 'static {
     ) -> Result<Option<Idempotent>, StorageError>;
 
     /// Applies an order (or replays its first outcome).
-    async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError>;
+    /// Shared, so a caller can still route the job elsewhere if storage refuses it.
+    async fn execute_order(&self, job: Arc<OrderJob>, now_ms: i64) -> Result<OrderExecution, StorageError>;
     /// The outcome the order would have now; applies and records nothing.
     async fn preview_order(
         &self,

@@ -13,7 +13,7 @@ pub mod port;
 pub mod redis_store;
 
 use std::str::FromStr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -359,10 +359,10 @@ impl Storage for PgStorage {
         Ok(Some(idem.judge(&hash, super::StoredResponse::from_db(i64::from(code), &kind, body)?)))
     }
 
-    async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
+    async fn execute_order(&self, job: Arc<OrderJob>, now_ms: i64) -> Result<OrderExecution, StorageError> {
         // Its resource rows are declared by the order itself (see `declared_rows`).
         let (reply, rx) = oneshot::channel();
-        let order = PendingOrder { job: std::sync::Arc::new(job), now_ms, admitted: false, result: None, reply };
+        let order = PendingOrder { job, now_ms, admitted: false, result: None, reply };
         self.queue()?.send(Box::new(order)).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }

@@ -342,7 +342,7 @@ impl Storage for SqliteStorage {
         }
     }
 
-    async fn execute_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
+    async fn execute_order(&self, job: Arc<OrderJob>, now_ms: i64) -> Result<OrderExecution, StorageError> {
         self.writer()?.submit_order(job, now_ms).await
     }
 

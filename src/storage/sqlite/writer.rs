@@ -17,6 +17,7 @@
 //! `/readyz` then answers 503.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
@@ -46,7 +47,7 @@ enum Job {
 }
 
 struct OrderWork {
-    job: OrderJob,
+    job: Arc<OrderJob>,
     now_ms: i64,
     reply: oneshot::Sender<Result<OrderExecution, StorageError>>,
 }
@@ -122,7 +123,7 @@ impl Writer {
     }
 
     /// Applies an order in the next batch and returns its outcome once that batch is durable.
-    pub async fn submit_order(&self, job: OrderJob, now_ms: i64) -> Result<OrderExecution, StorageError> {
+    pub async fn submit_order(&self, job: Arc<OrderJob>, now_ms: i64) -> Result<OrderExecution, StorageError> {
         let (reply, rx) = oneshot::channel();
         let order = Job::Order(Box::new(OrderWork { job, now_ms, reply }));
         self.queue.send(order).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
@@ -241,7 +242,7 @@ fn admit_orders(conn: &Connection, orders: Vec<OrderWork>, completions: &mut Vec
         tracing::error!(error = %err, "writer could not open a savepoint");
         return orders.into_iter().map(OrderWork::into_work).collect();
     }
-    let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&o.job, o.now_ms)).collect();
+    let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&*o.job, o.now_ms)).collect();
     let mut port = SqlitePort::new(conn);
     let wanted = jobs.iter().flat_map(|(job, _)| job.plan.resources().map(|key| (job.tenant.as_str(), key.as_str())));
     let decided = port.admission_rows(wanted).and_then(|rows| run_now(apply::batch::admit(&mut port, &jobs, rows)));
