@@ -28,7 +28,36 @@ pub struct Config {
     pub plugins: PluginsConfig,
     pub rate_limits: RateLimitsConfig,
     pub jobs: JobsConfig,
+    pub events: EventsConfig,
     pub tenants: Vec<TenantConfig>,
+}
+
+/// The outbox and its readers (docs/EVENTS.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EventsConfig {
+    /// How long events are kept (the feed's reach back in time).
+    pub retention_hours: u64,
+    /// How often events past their retention are deleted.
+    pub purge_interval_seconds: u64,
+    /// Longest `GET /v1/events?wait=` holds a request open (kept under the request timeout).
+    pub max_wait_seconds: u64,
+    /// Long polls one tenant may hold open at once, per process; past it a poll answers at once.
+    pub max_waiting_per_tenant: usize,
+    /// How often a waiting poll looks again for events other processes committed.
+    pub poll_interval_ms: u64,
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        Self {
+            retention_hours: 72,
+            purge_interval_seconds: 300,
+            max_wait_seconds: 25,
+            max_waiting_per_tenant: 16,
+            poll_interval_ms: 500,
+        }
+    }
 }
 
 /// Supervision of the background jobs: when `/readyz` calls one stuck.
@@ -513,6 +542,10 @@ impl Config {
             ("batch.queue_depth", self.batch.queue_depth as u64),
             ("orders.max_lines", self.orders.max_lines as u64),
             ("idempotency.retention_hours", self.idempotency.retention_hours),
+            ("events.retention_hours", self.events.retention_hours),
+            ("events.purge_interval_seconds", self.events.purge_interval_seconds),
+            ("events.max_waiting_per_tenant", self.events.max_waiting_per_tenant as u64),
+            ("events.poll_interval_ms", self.events.poll_interval_ms),
             ("idempotency.purge_interval_seconds", self.idempotency.purge_interval_seconds),
             ("reservations.sweep_interval_ms", self.reservations.sweep_interval_ms),
             ("reservations.sweep_batch", u64::from(self.reservations.sweep_batch)),

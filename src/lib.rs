@@ -10,6 +10,7 @@
 //! - [`storage`]: the storage trait and its backends (SQLite, PostgreSQL), each with group commit;
 //!   a backend is SQL text and plumbing behind [`apply::port::Port`].
 //! - [`redis_mode`]: redis mode (flash sales): Lua pre-deduction, stream write-behind, sold-out.
+//! - [`events`]: the transactional outbox: event types, the feed, webhooks, the broker sink.
 //! - [`jobs`]: reservation expiry, reconciliation, idempotency purge, Redis settlement.
 //! - [`plugin`]: tenant planning plugins (WebAssembly components) run by wasmtime.
 //! - [`auth`]: API keys and the admin token (hashed, constant-time).
@@ -24,6 +25,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod engine;
+pub mod events;
 pub mod jobs;
 pub mod pipeline;
 pub mod plugin;

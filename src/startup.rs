@@ -113,7 +113,13 @@ async fn declare_tenants(storage: &Arc<dyn Storage>, plugins: &Registry, config:
         };
         storage.ensure_config_tenant(&id, &t.name, t.rate_limit, &hash, now_ms()).await?;
         for r in &t.resources {
-            let new = NewResource { key: ResourceKey::parse(r.key.clone())?, kind: r.kind, total: r.total, buckets: 1 };
+            let new = NewResource {
+                key: ResourceKey::parse(r.key.clone())?,
+                kind: r.kind,
+                total: r.total,
+                buckets: 1,
+                low_stock: None,
+            };
             storage.create_resource(&id, &new, now_ms()).await?;
         }
         if let Some(path) = &t.plugin {
@@ -202,6 +208,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
             max_in_flight: config.server.max_in_flight_requests,
             max_plugin_versions: config.plugins.max_versions_per_tenant,
+            events: config.events.clone(),
         },
         metrics: Some(metrics),
         redis: redis.clone(),
@@ -236,6 +243,8 @@ pub async fn run(
         settlement_purge_interval: Duration::from_secs(config.redis.purge_interval_seconds),
         settled_retention: Duration::from_secs(config.redis.settled_retention_seconds),
         failure_retention: Duration::from_secs(config.redis.failure_retention_seconds),
+        events_purge_interval: Duration::from_secs(config.events.purge_interval_seconds),
+        events_retention: Duration::from_secs(config.events.retention_hours.saturating_mul(3600)),
     };
     let policy = StuckPolicy {
         intervals: config.jobs.stuck_after_intervals,

@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod docs;
 pub mod error;
+pub mod events;
 pub mod extract;
 pub mod ops;
 pub mod orders;
@@ -40,6 +41,8 @@ pub struct ApiSettings {
     pub max_in_flight: usize,
     /// Plugin versions a tenant keeps (`[plugins] max_versions_per_tenant`).
     pub max_plugin_versions: usize,
+    /// `[events]`: the feed's long polls.
+    pub events: crate::config::EventsConfig,
 }
 
 /// Everything a handler needs.
@@ -74,6 +77,7 @@ pub fn router(state: SharedState) -> Router {
         .merge(plugins::routes(state.plugins.host().limits().max_wasm_bytes))
         .merge(reservations::routes())
         .merge(warm::routes())
+        .merge(events::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))

@@ -43,6 +43,10 @@ pub struct CreateResource {
     /// Deduction path: "db" (default) or "redis" (needs `[redis]`; see docs/REDIS.md).
     #[serde(default)]
     pub mode: Option<Mode>,
+    /// Low-stock threshold, 0..=10^15: `resource.low_stock` is emitted when available falls to
+    /// it or under (docs/EVENTS.md). Absent: none.
+    #[serde(default)]
+    pub low_stock: Option<i64>,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -54,6 +58,28 @@ pub struct PatchResource {
     pub buckets: Option<i64>,
     #[serde(default)]
     pub mode: Option<Mode>,
+    /// Sets the low-stock threshold (0..=10^15), or clears it with `null`.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>)]
+    pub low_stock: Option<Option<i64>>,
+}
+
+/// A field that may be absent (`None`), `null` (`Some(None)`) or a value.
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
+}
+
+fn low_stock_threshold(value: Option<i64>) -> Result<Option<i64>, ApiError> {
+    match value {
+        Some(t) if !(0..=MAX_TOTAL).contains(&t) => {
+            Err(ApiError::validation("low_stock", format!("must be between 0 and {MAX_TOTAL}")))
+        }
+        other => Ok(other),
+    }
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -151,11 +177,12 @@ pub async fn create_resource(
         return Err(ApiError::validation("total", format!("must be between 0 and {MAX_TOTAL}")));
     }
     let buckets = bucket_count(req.buckets)?;
+    let low_stock = low_stock_threshold(req.low_stock)?;
     crate::redis_mode::control::check_mode(state.redis.as_deref(), req.mode)?;
     if buckets != 1 && req.mode == Some(Mode::Redis) {
         return Err(ApiError::validation("mode", "redis mode takes one bucket"));
     }
-    let new = NewResource { key: req.key, kind: req.kind, total: req.total, buckets };
+    let new = NewResource { key: req.key, kind: req.kind, total: req.total, buckets, low_stock };
     match state.storage.create_resource(&auth.tenant, &new, now_ms()).await? {
         Some(created) if req.mode == Some(Mode::Redis) => {
             let switched = crate::redis_mode::control::switch_mode(
@@ -231,15 +258,19 @@ pub async fn patch_resource(
 ) -> Result<Json<ResourceState>, ApiError> {
     let key = path_key(&key)?;
     let req = body.value;
-    if req.status.is_none() && req.buckets.is_none() && req.mode.is_none() {
-        return Err(ApiError::validation("body", "give at least one of status, buckets, mode"));
+    if req.status.is_none() && req.buckets.is_none() && req.mode.is_none() && req.low_stock.is_none() {
+        return Err(ApiError::validation("body", "give at least one of status, buckets, mode, low_stock"));
     }
     only_supported(req.buckets)?;
+    let low_stock = req.low_stock.map(low_stock_threshold).transpose()?;
     crate::redis_mode::control::check_mode(state.redis.as_deref(), req.mode)?;
     let mut updated = match req.status {
         Some(status) => state.storage.set_resource_status(&auth.tenant, &key, status, now_ms()).await?,
         None => state.storage.get_resource(&auth.tenant, &key).await?,
     };
+    if let (Some(threshold), Some(_)) = (low_stock, &updated) {
+        updated = state.storage.set_low_stock(&auth.tenant, &key, threshold, now_ms()).await?;
+    }
     if let (Some(mode), Some(_)) = (req.mode, &updated) {
         updated =
             crate::redis_mode::control::switch_mode(state.redis.as_ref(), &state.storage, &auth.tenant, &key, mode)

@@ -11,6 +11,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use super::events;
 use super::orders::{new_reservation, order_response};
 use super::port::{BatchWrites, Claim, Counts, LedgerRow, LockedRows, NewReservation, Outcome, Port, RowWrite};
 use crate::engine::admission::{self, Row as AdmissionRow};
@@ -89,19 +90,27 @@ pub async fn admit<P: Port>(
                 at: now_ms,
             });
         }
+        let mut held = None;
         if admitted.status != OrderStatus::Rejected {
             if let Some((id, expires_at)) = &reservation {
-                writes.reservations.push(NewReservation {
+                let row = NewReservation {
                     tenant: job.tenant.to_string(),
                     id: id.clone(),
                     order_id: job.order.order_id.to_string(),
                     lines: reservation_lines_json(job, &admitted.results, &[])?,
                     expires_at: expires_at.0,
                     created_at: now_ms,
-                });
+                };
+                held = Some(events::held_event(&row, now_ms)?);
+                writes.reservations.push(row);
             }
         }
         let response = order_response(job, &admitted.results, reservation)?;
+        if admitted.status != OrderStatus::Rejected {
+            let (tenant, order_id) = (job.tenant.as_str(), job.order.order_id.as_str());
+            writes.events.push(events::order_applied_event(tenant, order_id, &response.body, now_ms));
+            writes.events.extend(held);
+        }
         writes.outcomes.push(Outcome {
             tenant: job.tenant.to_string(),
             key: job.idempotency.key.to_string(),
@@ -128,5 +137,11 @@ pub async fn admit<P: Port>(
     // One global order for the row writes, so two batches never wait on each other in a cycle.
     writes.rows.sort_by(|a, b| (&a.tenant, &a.key).cmp(&(&b.tenant, &b.key)));
     port.write_batch(&writes).await?;
+    // Stock events once per changed row, after the batch's orders: within a batch admission
+    // only takes stock, so the band a row ends in is the last it passed through.
+    for row in &writes.rows {
+        let now_ms = row.at;
+        events::observe_stock(port, &row.tenant, &row.key, now_ms).await?;
+    }
     Ok(out)
 }

@@ -9,6 +9,7 @@
 
 pub mod batch;
 pub mod buckets;
+pub mod events;
 pub mod orders;
 pub mod port;
 pub mod reads;

@@ -6,6 +6,7 @@
 use ulid::Ulid;
 
 use super::buckets;
+use super::events;
 use super::port::{Change, Entry, Gate, Move, NewReservation, Port, Row, Savepoint, View};
 use super::resources::create;
 use crate::engine::order::decide;
@@ -111,6 +112,7 @@ pub async fn execute<P: Port>(port: &mut P, job: &OrderJob, now_ms: i64) -> Resu
         }
         port.release(Savepoint::Lines).await?;
     }
+    let mut held = None;
     if status != OrderStatus::Rejected {
         if let Some((id, expires_at)) = &reservation {
             let row = NewReservation {
@@ -122,10 +124,23 @@ pub async fn execute<P: Port>(port: &mut P, job: &OrderJob, now_ms: i64) -> Resu
                 created_at: now_ms,
             };
             port.insert_reservation(&row).await?;
+            held = Some(events::held_event(&row, now_ms)?);
         }
     }
     let response = order_response(job, &results, reservation)?;
     port.store_outcome(&job.tenant, &job.idempotency, &response, now_ms).await?;
+    if status != OrderStatus::Rejected {
+        let tenant = job.tenant.as_str();
+        events::order_applied(port, tenant, job.order.order_id.as_str(), &response.body, now_ms).await?;
+        if let Some(held) = held {
+            port.emit(&held).await?;
+        }
+        let touched = job.plan.lines.iter().zip(&results).filter_map(|(line, result)| match result {
+            LineResult::Applied(i) => line.targets.get(*i).map(|t| t.resource.as_str()),
+            LineResult::Rejected(_) => None,
+        });
+        events::observe_all(port, tenant, touched, now_ms).await?;
+    }
     Ok(OrderExecution { response: Idempotent::Fresh(response), outcome: Some((status, results)) })
 }
 
@@ -210,7 +225,7 @@ async fn apply_target<P: Port>(
     if let (None, Some(allowance)) = (&view, target.create_if_missing) {
         // Creates nothing when another process created it meanwhile; the change is judged again.
         let kind = target.kind.unwrap_or(Kind::Quota);
-        let new = NewResource { key: target.resource.clone(), kind, total: allowance, buckets: 1 };
+        let new = NewResource { key: target.resource.clone(), kind, total: allowance, buckets: 1, low_stock: None };
         create(port, facts.tenant, &new, facts.plugin_version, facts.now_ms).await?;
         if port.change(&change).await?.is_some() {
             return Ok(Ok(Vec::new()));

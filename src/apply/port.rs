@@ -16,6 +16,7 @@ use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerOp, LimitSpec, Mode, Reservation, ReservationState, ResourceState,
     ResourceStatus, TenantId,
 };
+use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::SettleRecord;
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
 
@@ -168,6 +169,8 @@ pub struct BatchWrites {
     pub ledger: Vec<LedgerRow>,
     pub reservations: Vec<NewReservation>,
     pub outcomes: Vec<Outcome>,
+    /// The events of the batch's orders, in the order they were decided.
+    pub events: Vec<NewEvent>,
 }
 
 /// Resource rows by tenant, then key, as a batch read them (under its locks, where the backend
@@ -293,7 +296,7 @@ pub trait Port {
     async fn refused_reservation(&mut self, tenant: &str, id: &str) -> Result<Option<i64>, StorageError>;
     /// Adds to a per-user limit's count without a bound (Redis enforced it).
     async fn count_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError>;
-    /// Stores an outcome under a key unless the key has one.
+    /// Stores an outcome under a key unless the key has one; `true`: it was stored now.
     async fn store_outcome_if_absent(
         &mut self,
         tenant: &str,
@@ -301,7 +304,7 @@ pub trait Port {
         request_hash: &str,
         response: &StoredResponse,
         at: i64,
-    ) -> Result<(), StorageError>;
+    ) -> Result<bool, StorageError>;
 
     /// Claims the keys of a batch's orders at once, one answer per key in order.
     async fn claim_keys(
@@ -311,6 +314,24 @@ pub trait Port {
     ) -> Result<Vec<Claim>, StorageError>;
     /// Writes what batch admission decided.
     async fn write_batch(&mut self, writes: &BatchWrites) -> Result<(), StorageError>;
+
+    /// Writes an event with the change that caused it, in the same savepoint: it commits with
+    /// the change or not at all (docs/EVENTS.md). Its sequence number is assigned by the time
+    /// the transaction commits.
+    async fn emit(&mut self, event: &NewEvent) -> Result<(), StorageError>;
+    /// A resource's available stock now (summed over its buckets), its low-stock threshold and
+    /// the band last stored; `None`: no such resource.
+    async fn stock(&mut self, tenant: &str, key: &str) -> Result<Option<Stock>, StorageError>;
+    /// Sets (or with `None` clears) the resource's low-stock threshold; `false`: no such resource.
+    async fn set_low_stock(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        low_stock: Option<i64>,
+        now_ms: i64,
+    ) -> Result<bool, StorageError>;
+    /// Stores the resource's band (after the events of its move were emitted).
+    async fn set_stock(&mut self, tenant: &str, key: &str, band: StockBand) -> Result<(), StorageError>;
 
     /// Stores these reconciliation checkpoints, each replacing the stored one of its resource
     /// (bucket) unless that one is at a newer version.

@@ -8,9 +8,10 @@ use std::collections::HashMap;
 use super::buckets::complete;
 use super::port::Port;
 use crate::engine::{
-    reconcile, BucketCounts, Checkpoint, CheckpointUpdate, LedgerEntry, LedgerSum, NewestEntry, OrderDocument,
+    reconcile, BucketCounts, Checkpoint, CheckpointUpdate, Drift, LedgerEntry, LedgerSum, NewestEntry, OrderDocument,
     OrderRequest, Pass, Plan, Reconciliation, ResourceState, TenantId,
 };
+use crate::events::{resource_key, EventType, NewEvent};
 use crate::storage::rules::{fold_all, preview_line, previewed};
 use crate::storage::StorageError;
 
@@ -144,6 +145,17 @@ pub async fn reconciliation<R: Reads>(
         reads.ledger_rows(tenant.map(TenantId::as_str), pass).await?;
     fold_all(&mut resources, buckets, true);
     Ok(reconcile(&resources, &checkpoints, &sums, &newest, pass))
+}
+
+/// Emits `reconciliation.drift` for each drift the pass found in history proven clean before
+/// (once per detection: its checkpoint is forgotten with it).
+pub async fn report_drift<P: Port>(port: &mut P, drift: &[Drift], now_ms: i64) -> Result<(), StorageError> {
+    for d in drift.iter().filter(|d| d.new) {
+        let data = serde_json::json!({"key": d.key, "bucket": d.bucket, "expected": d.expected, "actual": d.actual});
+        let event = NewEvent::new(&d.tenant, EventType::ReconciliationDrift, resource_key(&d.key), now_ms, &data);
+        port.emit(&event).await?;
+    }
+    Ok(())
 }
 
 /// Stores what a pass learnt. Safe to run after any later pass: a checkpoint only moves to a

@@ -173,7 +173,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
         for (t, name) in TENANTS.iter().enumerate() {
             conn.execute("INSERT INTO tenants (id, name, created_at) VALUES (?1, ?1, ?2)", params![name, START_MS])?;
             for (k, buckets) in RESOURCES {
-                let new = NewResource { key: key(k), kind: Kind::Inventory, total: 12, buckets };
+                let new = NewResource { key: key(k), kind: Kind::Inventory, total: 12, buckets, low_stock: None };
                 run_now(resources::create(&mut SqlitePort::new(conn), &tenant_id(t), &new, None, START_MS))?;
             }
         }

@@ -3,6 +3,7 @@
 //! with a ledger row: to `consumed` on a confirm, back to `available` (with its per-user limit
 //! given back) otherwise.
 
+use super::events;
 use super::port::{Change, Entry, Gate, Move, Port, Row};
 use crate::engine::{LedgerOp, Reservation, ReservationState, TenantId};
 use crate::storage::{StorageError, Transition};
@@ -70,6 +71,10 @@ async fn finish<P: Port>(
         }
     }
     reservation.state = to;
+    port.emit(&events::reservation_event(tenant, &reservation, now_ms)).await?;
+    if to != ReservationState::Confirmed {
+        events::observe_all(port, tenant, lines.iter().map(|l| l.resource.as_str()), now_ms).await?;
+    }
     Ok(Some(reservation))
 }
 

@@ -2,9 +2,11 @@
 //! idempotent).
 
 use super::buckets;
+use super::events;
 use super::port::{Change, Entry, Gate, Move, Port, Row};
 use crate::engine::ResourceKey;
 use crate::engine::{LedgerOp, Mode, ResourceState, ResourceStatus, TenantId};
+use crate::events::StockBand;
 use crate::storage::rules::{adjust_refusal, new_request_id, split_evenly};
 use crate::storage::{
     AdjustRefusal, IdempotencyRequest, Idempotent, ModeFence, NewResource, StorageError, StoredResponse,
@@ -98,7 +100,30 @@ pub async fn adjust<P: Port>(
         }
     };
     port.store_outcome(tenant, idem, &response, now_ms).await?;
+    if response.status == 200 {
+        events::observe_stock(port, tenant.as_str(), key.as_str(), now_ms).await?;
+    }
     Ok(Ok(Idempotent::Fresh(response)))
+}
+
+/// Sets (or clears) the resource's low-stock threshold; its state after (`None`: no such
+/// resource). The stored band follows the new threshold without an event: no stock moved.
+pub async fn set_low_stock<P: Port>(
+    port: &mut P,
+    tenant: &TenantId,
+    key: &ResourceKey,
+    low_stock: Option<i64>,
+    now_ms: i64,
+) -> Result<Option<ResourceState>, StorageError> {
+    let (t, k) = (tenant.as_str(), key.as_str());
+    if !port.set_low_stock(t, k, low_stock, now_ms).await? {
+        return Ok(None);
+    }
+    if let Some(stock) = port.stock(t, k).await? {
+        port.set_stock(t, k, StockBand::of(stock.available, low_stock)).await?;
+    }
+    let Some(state) = port.resource(t, k).await? else { return Ok(None) };
+    buckets::complete(port, t, state).await.map(Some)
 }
 
 /// Activates or deactivates a resource; its state after (`None`: no such resource).

@@ -6,8 +6,12 @@
 //! settlement failure for the tenant to compensate; the client's answer is stored so a replay
 //! finds it after Redis forgot it.
 
+use serde_json::json;
+
+use super::events;
 use super::port::{Change, Entry, Gate, Move, NewReservation, Port, Row};
-use crate::engine::{LedgerOp, ReservationState};
+use crate::engine::{LedgerOp, Reservation, ReservationState};
+use crate::events::{resource_key, EventType, NewEvent};
 use crate::storage::redis_store::{move_target, SettleRecord, Settled};
 use crate::storage::{ContentType, StorageError, StoredResponse};
 
@@ -39,6 +43,17 @@ async fn refused<P: Port>(
 ) -> Result<Settled, StorageError> {
     let available = port.view(&r.t, &r.k).await?.map_or(0, |v| v.available);
     port.record_settlement_failure(r, qty, reason, available, now_ms).await?;
+    let data = json!({
+        "key": r.k,
+        "op": r.op(),
+        "qty": qty,
+        "reason": reason,
+        "available": available,
+        "order_id": r.oid,
+        "reservation_id": r.rsv,
+        "request_id": r.rid,
+    });
+    port.emit(&NewEvent::new(&r.t, EventType::SettlementFailed, resource_key(&r.k), now_ms, &data)).await?;
     Ok(Settled::Refused)
 }
 
@@ -59,6 +74,7 @@ async fn settle_take<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Re
     };
     let how = if reserve { Move::Reserve } else { Move::Deduct };
     let change = Change { row: Row::Resource, how, gate: Gate::Counters, entry };
+    let mut held = None;
     let settled = if port.change(&change).await?.is_some() {
         if let (true, Some(id)) = (reserve, &r.rsv) {
             let reservation = NewReservation {
@@ -70,6 +86,7 @@ async fn settle_take<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Re
                 created_at: r.at,
             };
             port.insert_reservation(&reservation).await?;
+            held = Some(events::held_event(&reservation, now_ms)?);
         }
         if let Some(limit) = &r.lim {
             // Redis enforced the limit; the database keeps the count for the record.
@@ -82,7 +99,16 @@ async fn settle_take<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Re
     };
     // The client's answer, so a replay finds it even after Redis forgot it.
     let answer = StoredResponse { status: 201, content_type: ContentType::Json, body: r.body.clone() };
-    port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, r.at).await?;
+    // The first of the order's lines to settle stores its answer, and emits its event.
+    if port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, r.at).await? {
+        events::order_applied(port, &r.t, &r.oid, &r.body, now_ms).await?;
+    }
+    if let Some(held) = held {
+        port.emit(&held).await?;
+    }
+    if settled == Settled::Applied {
+        events::observe_stock(port, &r.t, &r.k, now_ms).await?;
+    }
     Ok(settled)
 }
 
@@ -135,6 +161,11 @@ async fn settle_move<P: Port>(
         }
         if let (Some(limit), false) = (&r.lim, to == ReservationState::Confirmed) {
             port.give_back_limit(&r.t, limit, qty).await?;
+        }
+        let moved = Reservation { state: to, ..reservation };
+        port.emit(&events::reservation_event(&r.t, &moved, now_ms)).await?;
+        if to != ReservationState::Confirmed {
+            events::observe_stock(port, &r.t, &r.k, now_ms).await?;
         }
         return Ok(Settled::Applied);
     }

@@ -453,8 +453,13 @@ impl Db {
                 .expect("insert a tenant");
                 for (k, spec) in specs.iter().enumerate() {
                     let Some(spec) = spec else { continue };
-                    let new =
-                        NewResource { key: key(RESOURCE_KEYS[k]), kind: spec.kind, total: spec.total, buckets: 1 };
+                    let new = NewResource {
+                        key: key(RESOURCE_KEYS[k]),
+                        kind: spec.kind,
+                        total: spec.total,
+                        buckets: 1,
+                        low_stock: None,
+                    };
                     let mut port = SqlitePort::new(conn);
                     let created = run_now(resources::create(&mut port, &tenant, &new, None, now_ms));
                     assert!(matches!(created, Ok(Some(_))), "creating {}: {created:?}", new.key);

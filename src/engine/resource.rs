@@ -19,6 +19,10 @@ pub struct ResourceState {
     pub total: i64,
     pub buckets: i64,
     pub mode: Mode,
+    /// The low-stock threshold: `resource.low_stock` is emitted when available falls to it or
+    /// under (docs/EVENTS.md). Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub low_stock: Option<i64>,
     /// Redis mode's fencing epoch: raised by every warm, switch and adjustment of a redis-mode
     /// resource (docs/REDIS.md). Internal: not part of the API.
     #[serde(skip)]
@@ -122,6 +126,12 @@ impl Counters {
 /// A resource whose state does not equal its opening balance plus its ledger.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct Drift {
+    #[serde(skip)]
+    pub tenant: String,
+    /// Found now in history proven clean before (its checkpoint is forgotten): the pass that
+    /// finds it emits `reconciliation.drift` (docs/EVENTS.md).
+    #[serde(skip)]
+    pub new: bool,
     pub key: String,
     /// The bucket that drifted, for a bucketed resource.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -262,7 +272,14 @@ pub fn reconcile(
         } else if !clean && known.is_some() {
             update.forget.push((tenant.into(), key.into(), bucket));
         }
-        (!clean).then(|| Drift { key: key.to_string(), bucket: None, expected: want, actual: have })
+        (!clean).then(|| Drift {
+            tenant: tenant.to_string(),
+            new: known.is_some(),
+            key: key.to_string(),
+            bucket: None,
+            expected: want,
+            actual: have,
+        })
     };
     let mut drift = Vec::new();
     for (tenant, state) in resources {
@@ -283,6 +300,8 @@ pub fn reconcile(
                 }
                 if buckets.len() as i64 != state.buckets {
                     drift.push(Drift {
+                        tenant: tenant.to_string(),
+                        new: false,
                         key: state.key.clone(),
                         bucket: None,
                         expected: Counters::default(),

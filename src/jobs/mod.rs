@@ -35,6 +35,9 @@ pub struct JobSettings {
     pub settled_retention: Duration,
     /// How long `settlement_failures` rows are kept.
     pub failure_retention: Duration,
+    /// How often events past their retention are deleted.
+    pub events_purge_interval: Duration,
+    pub events_retention: Duration,
 }
 
 /// Most idempotency records deleted per purge transaction, so a purge never holds the writer long.
@@ -52,6 +55,11 @@ pub fn spawn(supervisor: &mut Supervisor, storage: Arc<dyn Storage>, settings: J
         move || purge(storage.clone(), retention_ms)
     });
     // Always, Redis configured or not: a deployment that left redis mode still has the rows.
+    supervisor.every("events_purge", settings.events_purge_interval, {
+        let storage = storage.clone();
+        let retention_ms = millis(settings.events_retention);
+        move || purge_events(storage.clone(), retention_ms)
+    });
     supervisor.every("settlement_purge", settings.settlement_purge_interval, {
         let storage = storage.clone();
         let settled_ms = millis(settings.settled_retention);
@@ -143,6 +151,25 @@ async fn purge(storage: Arc<dyn Storage>, retention_ms: i64) -> Tick {
             }
             Err(err) => {
                 tracing::warn!(error = %err, "idempotency purge failed; will retry");
+                return Tick::Failed;
+            }
+        }
+    }
+}
+
+/// Deletes events past their retention, a bounded batch per transaction, until none is left.
+async fn purge_events(storage: Arc<dyn Storage>, retention_ms: i64) -> Tick {
+    let before = now_ms().saturating_sub(retention_ms);
+    loop {
+        match storage.purge_events(before, PURGE_BATCH).await {
+            Ok(n) => {
+                metrics::counter!("stockd_purged_rows_total", "table" => "events").increment(n);
+                if n < u64::from(PURGE_BATCH) {
+                    return Tick::Done;
+                }
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "events purge failed; will retry");
                 return Tick::Failed;
             }
         }

@@ -17,6 +17,7 @@ use crate::engine::{
     IdempotencyKey, Kind, LineResult, OrderDocument, OrderRequest, OrderStatus, Pass, Plan, Reconciliation,
     Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
 };
+use crate::events::{Event, EventType};
 use crate::problem::Problem;
 use crate::ratelimit::RateLimit;
 
@@ -216,6 +217,8 @@ pub struct NewResource {
     pub total: i64,
     /// 1..=1024; with more than one, the counters live in bucket rows.
     pub buckets: i64,
+    /// The low-stock threshold (docs/EVENTS.md); `None`: none.
+    pub low_stock: Option<i64>,
 }
 
 /// An order to apply: the validated request, its plan, and the resolved reservation lifetime.
@@ -293,6 +296,14 @@ pub trait Storage: redis_store::RedisStore + Send + Sync + 'static {
         status: ResourceStatus,
         now_ms: i64,
     ) -> Result<Option<ResourceState>, StorageError>;
+    /// Sets (or with `None` clears) a resource's low-stock threshold.
+    async fn set_low_stock(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        low_stock: Option<i64>,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError>;
     /// Restock (+) or write-off (−), idempotent.
     async fn adjust(
         &self,
@@ -345,6 +356,17 @@ pub trait Storage: redis_store::RedisStore + Send + Sync + 'static {
     /// each resource's checkpoint ([`Pass::Incremental`]) or from the start ([`Pass::Full`]);
     /// then moves the checkpoints of what it found clean and forgets those of what drifted.
     async fn reconcile(&self, tenant: Option<&TenantId>, pass: Pass) -> Result<Reconciliation, StorageError>;
+    /// Up to `limit` of the tenant's committed events with a sequence number above `after`, in
+    /// sequence order; only those of `types` unless it is empty.
+    async fn events_page(
+        &self,
+        tenant: &TenantId,
+        after: i64,
+        types: &[EventType],
+        limit: u32,
+    ) -> Result<Vec<Event>, StorageError>;
+    /// Deletes up to `limit` events written before `before_ms`, oldest first; returns how many.
+    async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
     /// Forgets idempotency records created before `before_ms`; returns how many.
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
 

@@ -65,7 +65,7 @@ fn corrupt(what: &str) -> StorageError {
 
 /// The resource columns every backend selects, in any order.
 pub const RESOURCE_COLUMNS: &str =
-    "key, kind, status, available, reserved, consumed, total, buckets, mode, mode_epoch, version, updated_at";
+    "key, kind, status, available, reserved, consumed, total, buckets, mode, low_stock, mode_epoch, version, updated_at";
 
 /// A resource selected as [`RESOURCE_COLUMNS`] (a bucketed one's buckets not folded in).
 pub fn resource(row: &dyn Columns) -> Result<ResourceState, StorageError> {
@@ -82,6 +82,7 @@ pub fn resource(row: &dyn Columns) -> Result<ResourceState, StorageError> {
         total: row.int("total")?,
         buckets: row.int("buckets")?,
         mode,
+        low_stock: row.opt_int("low_stock")?,
         mode_epoch: row.int("mode_epoch")?,
         version: row.int("version")?,
         updated_at: Timestamp(row.int("updated_at")?),

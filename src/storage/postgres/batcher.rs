@@ -224,7 +224,10 @@ async fn commit_batch(pool: &PgPool, batch: &mut Vec<Box<dyn Queued>>, max_retri
     let mut admission = true;
     let outcome = loop {
         match run_batch(pool, batch, &rows, admission).await {
-            Ok(()) => break Ok(()),
+            Ok(()) => {
+                crate::events::committed();
+                break Ok(());
+            }
             Err(BatchFailure::WithoutAdmission(why)) if admission => {
                 tracing::error!(reason = %why, "batch admission failed; deciding the batch's orders one by one");
                 admission = false;
@@ -324,6 +327,8 @@ async fn attempt(
             }
         }
     }
+    // Last before COMMIT, after every row lock the jobs took (see `events`).
+    super::events::seal(&mut tx).await.map_err(BatchFailure::of)?;
     tx.commit().await.map_err(|e| match e {
         // The server answered the COMMIT with an error: the transaction did not commit.
         sqlx::Error::Database(_) => BatchFailure::of(e),

@@ -8,6 +8,7 @@
 //! idempotency row claimed first, `SKIP LOCKED`), never from the batcher: it only saves commits.
 
 mod batcher;
+mod events;
 pub mod ops;
 pub mod port;
 pub mod redis_store;
@@ -37,6 +38,7 @@ use crate::engine::{
     LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
     ResourceStatus, TenantId,
 };
+use crate::events::{Event, EventType};
 use crate::ratelimit::RateLimit;
 use crate::storage::redis_store::STORED_OUTCOME_SQL;
 
@@ -307,6 +309,27 @@ impl Storage for PgStorage {
         .await
     }
 
+    async fn set_low_stock(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        low_stock: Option<i64>,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError> {
+        let locks = vec![(tenant.to_string(), key.to_string())];
+        let (tenant, key) = (tenant.clone(), key.clone());
+        self.submit(
+            locks,
+            work(move |conn| {
+                let (tenant, key) = (tenant.clone(), key.clone());
+                Box::pin(async move {
+                    resources::set_low_stock(&mut PgPort::new(conn), &tenant, &key, low_stock, now_ms).await
+                })
+            }),
+        )
+        .await
+    }
+
     async fn adjust(
         &self,
         tenant: &TenantId,
@@ -439,6 +462,18 @@ impl Storage for PgStorage {
         let (report, update) = reads::reconciliation(&mut PgPort::new(&mut tx), tenant, pass).await?;
         tx.commit().await?;
         drop(conn);
+        if report.drift.iter().any(|d| d.new) {
+            let drift = std::sync::Arc::new(report.drift.clone());
+            let now_ms = crate::time::now_ms();
+            self.submit(
+                Vec::new(),
+                work(move |conn| {
+                    let drift = drift.clone();
+                    Box::pin(async move { reads::report_drift(&mut PgPort::new(conn), &drift, now_ms).await })
+                }),
+            )
+            .await?;
+        }
         // The report stands whether or not its checkpoints are stored: without them the next
         // pass only replays more.
         for part in update.into_parts(super::CHECKPOINTS_PER_WRITE) {
@@ -458,6 +493,42 @@ impl Storage for PgStorage {
             }
         }
         Ok(report)
+    }
+
+    async fn events_page(
+        &self,
+        tenant: &TenantId,
+        after: i64,
+        types: &[EventType],
+        limit: u32,
+    ) -> Result<Vec<Event>, StorageError> {
+        let types: Vec<&str> = types.iter().map(|t| t.as_str()).collect();
+        let rows = sqlx::query(&format!(
+            "SELECT {} FROM events
+             WHERE tenant_id = $1 AND seq > $2 AND (cardinality($3::text[]) = 0 OR type = ANY($3))
+             ORDER BY seq LIMIT $4",
+            events::EVENT_COLUMNS
+        ))
+        .bind(tenant.as_str())
+        .bind(after)
+        .bind(&types)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(events::event).collect()
+    }
+
+    async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+        // Outside the batcher: deleting old, committed events contends with no write.
+        let done = sqlx::query(
+            "DELETE FROM events WHERE id IN
+               (SELECT id FROM events WHERE at < $1 AND seq IS NOT NULL ORDER BY at LIMIT $2)",
+        )
+        .bind(before_ms)
+        .bind(i64::from(limit))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

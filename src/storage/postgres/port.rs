@@ -22,6 +22,7 @@ use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
     ResourceStatus, TenantId, MAX_TOTAL,
 };
+use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
@@ -402,8 +403,8 @@ impl Port for PgPort<'_> {
         let row_total = if res.buckets > 1 { 0 } else { res.total };
         let row = sqlx::query(&format!(
             "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
-                                    version, created_at, updated_at)
-             VALUES ($1, $2, $3, 'active', 'db', $6, $4, $4, 0, 0, 1, $5, $5)
+                                    version, created_at, updated_at, low_stock, stock)
+             VALUES ($1, $2, $3, 'active', 'db', $6, $4, $4, 0, 0, 1, $5, $5, $7, $8)
              ON CONFLICT (tenant_id, key) DO NOTHING
              RETURNING {RESOURCE_COLUMNS}"
         ))
@@ -413,6 +414,8 @@ impl Port for PgPort<'_> {
         .bind(row_total)
         .bind(now_ms)
         .bind(res.buckets.max(1))
+        .bind(res.low_stock)
+        .bind(StockBand::of(res.total, res.low_stock).as_str())
         .fetch_optional(&mut *self.conn)
         .await?;
         let Some(row) = row else { return Ok(None) };
@@ -642,8 +645,8 @@ impl Port for PgPort<'_> {
         request_hash: &str,
         response: &StoredResponse,
         at: i64,
-    ) -> Result<(), StorageError> {
-        sqlx::query(
+    ) -> Result<bool, StorageError> {
+        let stored = sqlx::query(
             "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
                                       created_at)
              VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
@@ -657,7 +660,7 @@ impl Port for PgPort<'_> {
         .bind(at)
         .execute(&mut *self.conn)
         .await?;
-        Ok(())
+        Ok(stored.rows_affected() == 1)
     }
 
     /// Inserts every key's row in one statement; those that conflict were used before (committed:
@@ -724,7 +727,7 @@ impl Port for PgPort<'_> {
         fn col<T, U>(items: &[T], f: impl Fn(&T) -> U) -> Vec<U> {
             items.iter().map(f).collect()
         }
-        let (c, l, r, o) = (&w.rows, &w.ledger, &w.reservations, &w.outcomes);
+        let (c, l, r, o, ev) = (&w.rows, &w.ledger, &w.reservations, &w.outcomes, &w.events);
         let counts = sqlx::query(
             "WITH written AS (
                 UPDATE resources r SET available = u.available, reserved = u.reserved, consumed = u.consumed,
@@ -754,9 +757,14 @@ impl Port for PgPort<'_> {
                 FROM UNNEST($28::text[], $29::text[], $30::int[], $31::text[], $32::text[])
                      AS u (tenant_id, key, code, kind, body)
                 WHERE i.tenant_id = u.tenant_id AND i.key = u.key
+                RETURNING 1),
+             evented AS (
+                INSERT INTO events (id, tenant_id, type, ordering_key, at, data)
+                SELECT * FROM UNNEST($33::text[], $34::text[], $35::text[], $36::text[], $37::bigint[], $38::text[])
                 RETURNING 1)
              SELECT (SELECT COUNT(*) FROM written) AS written, (SELECT COUNT(*) FROM ledgered) AS ledgered,
-                    (SELECT COUNT(*) FROM held) AS held, (SELECT COUNT(*) FROM answered) AS answered",
+                    (SELECT COUNT(*) FROM held) AS held, (SELECT COUNT(*) FROM answered) AS answered,
+                    (SELECT COUNT(*) FROM evented) AS evented",
         )
         .bind(col(c, |x| x.tenant.clone()))
         .bind(col(c, |x| x.key.clone()))
@@ -790,10 +798,22 @@ impl Port for PgPort<'_> {
         .bind(col(o, |x| i32::from(x.response.status)))
         .bind(col(o, |x| x.response.content_type.as_str()))
         .bind(col(o, |x| x.response.body.clone()))
+        .bind(col(ev, |x| x.id.clone()))
+        .bind(col(ev, |x| x.tenant.clone()))
+        .bind(col(ev, |x| x.kind.as_str()))
+        .bind(col(ev, |x| x.ordering_key.clone()))
+        .bind(col(ev, |x| x.at))
+        .bind(col(ev, |x| x.data.clone()))
         .fetch_one(&mut *self.conn)
         .await?;
         let count = |name: &str| -> Result<u64, StorageError> { Ok(counts.try_get::<i64, _>(name)?.max(0) as u64) };
-        for (name, want) in [("written", c.len()), ("ledgered", l.len()), ("held", r.len()), ("answered", o.len())] {
+        for (name, want) in [
+            ("written", c.len()),
+            ("ledgered", l.len()),
+            ("held", r.len()),
+            ("answered", o.len()),
+            ("evented", ev.len()),
+        ] {
             if count(name)? != want as u64 {
                 // The rows are locked and the keys claimed by this transaction: nothing else can
                 // have moved them. A mismatch is a bug; the batch is decided again order by order.
@@ -803,6 +823,71 @@ impl Port for PgPort<'_> {
                 )));
             }
         }
+        for e in ev {
+            metrics::counter!("stockd_events_written_total", "type" => e.kind.as_str()).increment(1);
+        }
+        Ok(())
+    }
+
+    /// Inserted unnumbered: the batcher numbers the transaction's events just before its COMMIT
+    /// ([`super::events::seal`]), so a tenant's events commit in sequence order.
+    async fn emit(&mut self, e: &NewEvent) -> Result<(), StorageError> {
+        sqlx::query("INSERT INTO events (id, tenant_id, type, ordering_key, at, data) VALUES ($1, $2, $3, $4, $5, $6)")
+            .bind(&e.id)
+            .bind(&e.tenant)
+            .bind(e.kind.as_str())
+            .bind(&e.ordering_key)
+            .bind(e.at)
+            .bind(&e.data)
+            .execute(&mut *self.conn)
+            .await?;
+        metrics::counter!("stockd_events_written_total", "type" => e.kind.as_str()).increment(1);
+        Ok(())
+    }
+
+    async fn stock(&mut self, tenant: &str, key: &str) -> Result<Option<Stock>, StorageError> {
+        let row = sqlx::query(
+            "SELECT CASE WHEN buckets = 1 THEN available ELSE
+                      (SELECT COALESCE(SUM(b.available), 0)::bigint FROM resource_buckets b
+                       WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key) END AS available,
+                    low_stock, stock
+             FROM resources r WHERE tenant_id = $1 AND key = $2",
+        )
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(&mut *self.conn)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let band: &str = row.try_get("stock")?;
+        let band = StockBand::from_db(band).ok_or_else(|| corrupt("resources.stock"))?;
+        Ok(Some(Stock { available: row.try_get("available")?, low_stock: row.try_get("low_stock")?, band }))
+    }
+
+    async fn set_low_stock(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        low_stock: Option<i64>,
+        now_ms: i64,
+    ) -> Result<bool, StorageError> {
+        let done =
+            sqlx::query("UPDATE resources SET low_stock = $1, updated_at = $2 WHERE tenant_id = $3 AND key = $4")
+                .bind(low_stock)
+                .bind(now_ms)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut *self.conn)
+                .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn set_stock(&mut self, tenant: &str, key: &str, band: StockBand) -> Result<(), StorageError> {
+        sqlx::query("UPDATE resources SET stock = $1 WHERE tenant_id = $2 AND key = $3")
+            .bind(band.as_str())
+            .bind(tenant)
+            .bind(key)
+            .execute(&mut *self.conn)
+            .await?;
         Ok(())
     }
 

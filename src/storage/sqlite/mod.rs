@@ -31,6 +31,7 @@ use crate::engine::{
     LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
     ResourceStatus, TenantId,
 };
+use crate::events::{Event, EventType};
 use crate::ratelimit::RateLimit;
 
 /// How the SQLite backend is opened.
@@ -295,6 +296,21 @@ impl Storage for SqliteStorage {
             .await
     }
 
+    async fn set_low_stock(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        low_stock: Option<i64>,
+        now_ms: i64,
+    ) -> Result<Option<ResourceState>, StorageError> {
+        let (tenant, key) = (tenant.clone(), key.clone());
+        self.writer()?
+            .submit(move |conn| {
+                run_now(resources::set_low_stock(&mut SqlitePort::new(conn), &tenant, &key, low_stock, now_ms))
+            })
+            .await
+    }
+
     async fn adjust(
         &self,
         tenant: &TenantId,
@@ -400,6 +416,13 @@ impl Storage for SqliteStorage {
             .readers
             .snapshot(move |conn| run_now(reads::reconciliation(&mut SqlitePort::new(conn), tenant.as_ref(), pass)))
             .await?;
+        if report.drift.iter().any(|d| d.new) {
+            let drift = report.drift.clone();
+            let now_ms = crate::time::now_ms();
+            self.writer()?
+                .submit(move |conn| run_now(reads::report_drift(&mut SqlitePort::new(conn), &drift, now_ms)))
+                .await?;
+        }
         // The report stands whether or not its checkpoints are stored: without them the next
         // pass only replays more.
         for part in update.into_parts(super::CHECKPOINTS_PER_WRITE) {
@@ -413,6 +436,27 @@ impl Storage for SqliteStorage {
             }
         }
         Ok(report)
+    }
+
+    async fn events_page(
+        &self,
+        tenant: &TenantId,
+        after: i64,
+        types: &[EventType],
+        limit: u32,
+    ) -> Result<Vec<Event>, StorageError> {
+        let tenant = tenant.clone();
+        let types = if types.is_empty() {
+            String::new()
+        } else {
+            serde_json::to_string(&types.iter().map(|t| t.as_str()).collect::<Vec<_>>())
+                .map_err(|e| StorageError::Internal(e.to_string()))?
+        };
+        self.readers.snapshot(move |conn| ops::events_page(conn, tenant.as_str(), after, &types, limit)).await
+    }
+
+    async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+        self.writer()?.submit(move |conn| ops::purge_events(conn, before_ms, limit)).await
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

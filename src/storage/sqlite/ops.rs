@@ -5,6 +5,7 @@
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::engine::TenantId;
+use crate::events::Event;
 use crate::ratelimit::RateLimit;
 use crate::storage::rules;
 use crate::storage::{Insert, NewApiKey, PluginUpload, PluginVersion, StorageError};
@@ -117,6 +118,41 @@ pub fn purge_idempotency(conn: &Connection, before_ms: i64, limit: u32) -> Resul
             "DELETE FROM idempotency WHERE (tenant_id, key) IN
                (SELECT tenant_id, key FROM idempotency WHERE created_at < ?1 LIMIT ?2)",
         )?
+        .execute(params![before_ms, i64::from(limit)])?;
+    Ok(deleted as u64)
+}
+
+/// A page of a tenant's events (`types`: a JSON array of type names, or empty for all).
+pub fn events_page(
+    conn: &Connection,
+    tenant: &str,
+    after: i64,
+    types: &str,
+    limit: u32,
+) -> Result<Vec<Event>, StorageError> {
+    let mut statement = conn.prepare_cached(
+        "SELECT id, tenant_id, seq, type, ordering_key, at, data FROM events
+         WHERE tenant_id = ?1 AND seq > ?2 AND (?3 = '' OR type IN (SELECT value FROM json_each(?3)))
+         ORDER BY seq LIMIT ?4",
+    )?;
+    let rows = statement.query_map(params![tenant, after, types, i64::from(limit)], |row| {
+        Ok(Event {
+            id: row.get(0)?,
+            tenant: row.get(1)?,
+            seq: row.get(2)?,
+            kind: row.get(3)?,
+            ordering_key: row.get(4)?,
+            at: row.get(5)?,
+            data: row.get(6)?,
+        })
+    })?;
+    Ok(rows.collect::<Result<Vec<_>, _>>()?)
+}
+
+/// Deletes up to `limit` events written before `before_ms`, oldest first.
+pub fn purge_events(conn: &Connection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+    let deleted = conn
+        .prepare_cached("DELETE FROM events WHERE id IN (SELECT id FROM events WHERE at < ?1 ORDER BY at LIMIT ?2)")?
         .execute(params![before_ms, i64::from(limit)])?;
     Ok(deleted as u64)
 }

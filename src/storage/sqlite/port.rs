@@ -18,6 +18,7 @@ use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
     ResourceStatus, TenantId, MAX_TOTAL,
 };
+use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL, STORED_OUTCOME_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
@@ -376,13 +377,22 @@ impl Port for SqlitePort<'_> {
             .conn
             .prepare_cached(&format!(
                 "INSERT INTO resources (tenant_id, key, kind, status, mode, buckets, total, available, reserved,
-                                        consumed, version, created_at, updated_at)
-                 VALUES (?1, ?2, ?3, 'active', 'db', ?6, ?4, ?4, 0, 0, 1, ?5, ?5)
+                                        consumed, version, created_at, updated_at, low_stock, stock)
+                 VALUES (?1, ?2, ?3, 'active', 'db', ?6, ?4, ?4, 0, 0, 1, ?5, ?5, ?7, ?8)
                  ON CONFLICT (tenant_id, key) DO NOTHING
                  RETURNING {RESOURCE_COLUMNS}"
             ))?
             .query_row(
-                params![tenant, res.key.as_str(), res.kind.as_str(), row_total, now_ms, res.buckets.max(1)],
+                params![
+                    tenant,
+                    res.key.as_str(),
+                    res.kind.as_str(),
+                    row_total,
+                    now_ms,
+                    res.buckets.max(1),
+                    res.low_stock,
+                    StockBand::of(res.total, res.low_stock).as_str()
+                ],
                 mapped(|row| Ok((rows::resource(row)?, rows::counts(row)?))),
             )
             .optional()?;
@@ -557,8 +567,9 @@ impl Port for SqlitePort<'_> {
         request_hash: &str,
         response: &StoredResponse,
         at: i64,
-    ) -> Result<(), StorageError> {
-        self.conn
+    ) -> Result<bool, StorageError> {
+        let stored = self
+            .conn
             .prepare_cached(
                 "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
                                           created_at)
@@ -573,7 +584,7 @@ impl Port for SqlitePort<'_> {
                 response.body,
                 at
             ])?;
-        Ok(())
+        Ok(stored == 1)
     }
 
     async fn claim_keys(
@@ -635,6 +646,69 @@ impl Port for SqlitePort<'_> {
                 o.at
             ])?;
         }
+        for event in &w.events {
+            self.emit(event).await?;
+        }
+        Ok(())
+    }
+
+    async fn emit(&mut self, e: &NewEvent) -> Result<(), StorageError> {
+        // The only writer: numbering as it writes is numbering in commit order, and a rolled-back
+        // savepoint takes its numbers back with its events.
+        let seq: i64 = self
+            .conn
+            .prepare_cached(
+                "INSERT INTO event_seqs (tenant_id, last) VALUES (?1, 1)
+                 ON CONFLICT (tenant_id) DO UPDATE SET last = last + 1 RETURNING last",
+            )?
+            .query_row(params![e.tenant], |row| row.get(0))?;
+        self.conn
+            .prepare_cached(
+                "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            )?
+            .execute(params![e.id, e.tenant, seq, e.kind.as_str(), e.ordering_key, e.at, e.data])?;
+        metrics::counter!("stockd_events_written_total", "type" => e.kind.as_str()).increment(1);
+        Ok(())
+    }
+
+    async fn stock(&mut self, tenant: &str, key: &str) -> Result<Option<Stock>, StorageError> {
+        let row = self
+            .conn
+            .prepare_cached(
+                "SELECT CASE WHEN buckets = 1 THEN available ELSE
+                          (SELECT COALESCE(SUM(b.available), 0) FROM resource_buckets b
+                           WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key) END,
+                        low_stock, stock
+                 FROM resources r WHERE tenant_id = ?1 AND key = ?2",
+            )?
+            .query_row(params![tenant, key], |row| {
+                Ok((row.get::<_, i64>(0)?, row.get::<_, Option<i64>>(1)?, row.get::<_, String>(2)?))
+            })
+            .optional()?;
+        let Some((available, low_stock, band)) = row else { return Ok(None) };
+        let band = StockBand::from_db(&band).ok_or_else(|| corrupt("resources.stock"))?;
+        Ok(Some(Stock { available, low_stock, band }))
+    }
+
+    async fn set_low_stock(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        low_stock: Option<i64>,
+        now_ms: i64,
+    ) -> Result<bool, StorageError> {
+        let n = self
+            .conn
+            .prepare_cached("UPDATE resources SET low_stock = ?1, updated_at = ?2 WHERE tenant_id = ?3 AND key = ?4")?
+            .execute(params![low_stock, now_ms, tenant, key])?;
+        Ok(n == 1)
+    }
+
+    async fn set_stock(&mut self, tenant: &str, key: &str, band: StockBand) -> Result<(), StorageError> {
+        self.conn
+            .prepare_cached("UPDATE resources SET stock = ?1 WHERE tenant_id = ?2 AND key = ?3")?
+            .execute(params![band.as_str(), tenant, key])?;
         Ok(())
     }
 

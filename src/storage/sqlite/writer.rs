@@ -223,7 +223,10 @@ fn commit_batch(conn: &Connection, batch: &mut Vec<Job>) {
     // and not yet committed, the worst place for one.
     faults::maybe_panic(WRITER_JOB);
     match conn.execute_batch("COMMIT") {
-        Ok(()) => completions.into_iter().for_each(|c| c(Ok(()))),
+        Ok(()) => {
+            crate::events::committed();
+            completions.into_iter().for_each(|c| c(Ok(())));
+        }
         Err(err) => {
             tracing::error!(error = %err, "group commit failed");
             fail_all(conn, completions, "commit failed");

@@ -1,0 +1,105 @@
+//! The events a write emits with its change (docs/EVENTS.md), decided here once for every
+//! backend: an applied order and its reservation, reservation moves, and the stock events of
+//! every resource a write changed. Each is written through [`Port::emit`] in the write's own
+//! savepoint, so it commits with the change or not at all.
+
+use serde_json::json;
+
+use super::port::{NewReservation, Port};
+use crate::engine::{Reservation, ReservationLine, ReservationState};
+use crate::events::{order_key, resource_key, EventType, NewEvent, StockBand};
+use crate::storage::StorageError;
+use crate::time::Timestamp;
+
+/// An applied order (succeeded or partial): its document, as the client was answered.
+pub async fn order_applied<P: Port>(
+    port: &mut P,
+    tenant: &str,
+    order_id: &str,
+    document: &str,
+    now_ms: i64,
+) -> Result<(), StorageError> {
+    port.emit(&order_applied_event(tenant, order_id, document, now_ms)).await
+}
+
+pub fn order_applied_event(tenant: &str, order_id: &str, document: &str, now_ms: i64) -> NewEvent {
+    NewEvent::raw(tenant, EventType::OrderApplied, order_key(order_id), now_ms, document.to_string())
+}
+
+/// A reservation's event: `reservation.held` when it is made, then the one of its end state.
+pub fn reservation_event(tenant: &str, reservation: &Reservation, now_ms: i64) -> NewEvent {
+    let kind = match reservation.state {
+        ReservationState::Held => EventType::ReservationHeld,
+        ReservationState::Confirmed => EventType::ReservationConfirmed,
+        ReservationState::Released => EventType::ReservationReleased,
+        ReservationState::Expired => EventType::ReservationExpired,
+    };
+    let lines: Vec<_> = reservation
+        .lines
+        .iter()
+        .map(|l| {
+            let mut line = json!({"key": l.key, "resource": l.resource, "qty": l.qty});
+            if !l.buckets.is_empty() {
+                line["buckets"] = json!(l.buckets);
+            }
+            line
+        })
+        .collect();
+    let data = json!({
+        "reservation_id": reservation.id,
+        "order_id": reservation.order_id,
+        "state": reservation.state.as_str(),
+        "expires_at": reservation.expires_at,
+        "lines": lines,
+    });
+    NewEvent::new(tenant, kind, order_key(&reservation.order_id), now_ms, &data)
+}
+
+/// `reservation.held` for a reservation row about to be inserted.
+pub fn held_event(row: &NewReservation, now_ms: i64) -> Result<NewEvent, StorageError> {
+    let lines: Vec<ReservationLine> =
+        serde_json::from_str(&row.lines).map_err(|e| StorageError::Internal(format!("reservation lines: {e}")))?;
+    let reservation = Reservation {
+        id: row.id.clone(),
+        order_id: row.order_id.clone(),
+        state: ReservationState::Held,
+        lines,
+        expires_at: Timestamp(row.expires_at),
+    };
+    Ok(reservation_event(&row.tenant, &reservation, now_ms))
+}
+
+/// Judges the resource's stock again after a write changed it: when it moved to another band,
+/// emits the events of that crossing (`resource.low_stock`, `resource.sold_out`,
+/// `resource.restocked`) and stores the new band. A change within a band emits nothing.
+pub async fn observe_stock<P: Port>(port: &mut P, tenant: &str, key: &str, now_ms: i64) -> Result<(), StorageError> {
+    let Some(stock) = port.stock(tenant, key).await? else { return Ok(()) };
+    let band = StockBand::of(stock.available, stock.low_stock);
+    if band == stock.band {
+        return Ok(());
+    }
+    for &kind in stock.band.crossing(band) {
+        let mut data = json!({"key": key, "available": stock.available});
+        if let Some(threshold) = stock.low_stock {
+            data["low_stock"] = json!(threshold);
+        }
+        port.emit(&NewEvent::new(tenant, kind, resource_key(key), now_ms, &data)).await?;
+    }
+    port.set_stock(tenant, key, band).await
+}
+
+/// [`observe_stock`] for each of these resources, once each, in key order.
+pub async fn observe_all<P: Port>(
+    port: &mut P,
+    tenant: &str,
+    keys: impl IntoIterator<Item = &str>,
+    now_ms: i64,
+) -> Result<(), StorageError> {
+    let mut keys: Vec<&str> = keys.into_iter().collect();
+    keys.sort_unstable();
+    keys.dedup();
+    for key in keys {
+        observe_stock(port, tenant, key, now_ms).await?;
+    }
+    Ok(())
+}
