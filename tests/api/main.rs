@@ -18,6 +18,7 @@ mod helpers;
 mod idempotency;
 mod isolation;
 mod jobs;
+mod nats_sink;
 mod ops;
 mod orders;
 mod plugin_isolation;
