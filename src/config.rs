@@ -754,6 +754,33 @@ mod tests {
     }
 
     #[test]
+    fn the_commented_nats_example_parses_and_validates() {
+        let text = include_str!("../config/stockd.toml");
+        let block: Vec<&str> = text
+            .lines()
+            .skip_while(|l| *l != "# [events.nats]")
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| l.strip_prefix("# ").unwrap_or(l))
+            .collect();
+        assert!(block.len() > 1, "config/stockd.toml shows a commented [events.nats]");
+        let config: Config = toml::from_str(&block.join("\n")).unwrap_or_else(|e| panic!("{e}"));
+        assert!(config.validate().is_ok());
+        let nats = config.events.nats.expect("the block is [events.nats]");
+        let defaults = NatsSinkConfig::default();
+        assert_eq!(
+            (nats.subject_prefix, nats.duplicate_window_seconds, nats.publish_timeout_ms, nats.batch_size),
+            (
+                defaults.subject_prefix,
+                defaults.duplicate_window_seconds,
+                defaults.publish_timeout_ms,
+                defaults.batch_size
+            ),
+            "the example shows the defaults"
+        );
+        assert_eq!(nats.poll_interval_ms, defaults.poll_interval_ms);
+    }
+
+    #[test]
     fn a_nats_sink_needs_a_url_and_subject_safe_names() {
         let parse = |text: &str| {
             toml::from_str::<Config>(text).map_err(|e| e.to_string())?.validate().map_err(|e| e.to_string())
