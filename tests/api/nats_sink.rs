@@ -14,7 +14,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use serde_json::{json, Value};
 
-use crate::helpers::{deduct, spawn_app_with, unique, AppOptions, TenantClient, TestApp};
+use crate::helpers::{deduct, spawn_app_with, unique, AppOptions, Backend, TenantClient, TestApp};
 
 /// Bound on every wait for the server or the broker to reach a state.
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -254,5 +254,48 @@ async fn a_broker_that_is_down_is_counted_and_retried_while_the_server_stays_rea
     let messages = bus.wait_for(events.len(), &app).await;
     wait_metric(&app, "stockd_event_sink_lag", &["sink=\"nats\""], |v| v == 0.0).await;
     assert_eq!(bus.messages().await.len(), events.len(), "each waiting event once: {messages:?}");
+    bus.delete().await;
+}
+
+/// Two processes on one database, both with the sink, orders sent to both: the stream holds
+/// each event of every tenant exactly once, and every event was published by one of them. On
+/// PostgreSQL the cursor claim (`SKIP LOCKED`) also keeps them from publishing any page twice:
+/// no duplicates at all. (A SQLite database has one process by design; two still end with each
+/// event once, JetStream dropping what both published.)
+#[tokio::test]
+async fn two_processes_on_one_database_deliver_each_event_once() {
+    let bus = Bus::new().await;
+    let app = spawn_app_with(AppOptions::default().toml(&bus.toml(&nats_url()))).await;
+    let sibling = app.spawn_sibling().await;
+    let mut expected: HashSet<String> = HashSet::new();
+    for n in 0..4 {
+        let tenant = app.create_tenant(&format!("shop-{n}")).await;
+        // Half of the orders through each process.
+        let via_sibling = sibling.tenant_with_key(&tenant.id, &tenant.api_key);
+        tenant.create_resource("sku", 4).await;
+        for client in [&tenant, &via_sibling, &tenant, &via_sibling] {
+            let idem = unique("order");
+            client.order(&idem, &deduct(&idem, &[("sku", 1)])).await.expect_json(201);
+        }
+        expected.extend(feed(&tenant).await.iter().map(|e| e["id"].as_str().expect("an id").to_owned()));
+    }
+
+    let messages = bus.wait_for(expected.len(), &app).await;
+    for process in [&app, &sibling] {
+        wait_metric(process, "stockd_event_sink_lag", &["sink=\"nats\""], |v| v == 0.0).await;
+    }
+    let stored: Vec<String> = bus.messages().await.iter().map(msg_id).collect();
+    assert_eq!(stored.len(), expected.len(), "each event once: {messages:?}");
+    assert_eq!(stored.into_iter().collect::<HashSet<_>>(), expected);
+    let mut published = 0.0;
+    let mut duplicates = 0.0;
+    for process in [&app, &sibling] {
+        published += metric(process, "stockd_events_published_total", &["sink=\"nats\""]).await;
+        duplicates += metric(process, "stockd_events_duplicates_total", &["sink=\"nats\""]).await;
+    }
+    assert_eq!(published, expected.len() as f64, "every event was published as new by one process");
+    if Backend::from_env() == Backend::Postgres {
+        assert_eq!(duplicates, 0.0, "no page was published by both processes");
+    }
     bus.delete().await;
 }
