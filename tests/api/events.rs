@@ -404,3 +404,28 @@ async fn a_reader_following_the_feed_misses_nothing_while_three_processes_write(
     assert_eq!(all.len(), 120, "one order.applied per order");
     assert_eq!(seen, (1..=120).collect::<Vec<i64>>(), "the reader saw every event once, in order");
 }
+
+/// Proves events older than `[events] retention_hours` are deleted by the background purge,
+/// and younger ones kept (the feed then starts after the purged numbers).
+#[tokio::test]
+async fn events_past_their_retention_are_purged() {
+    let app =
+        spawn_app_with(AppOptions::default().toml("[events]\nretention_hours = 1\npurge_interval_seconds = 1")).await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 10).await;
+    for i in 0..3 {
+        shop.order(&format!("k{i}"), &deduct(&format!("ORD-{i}"), &[("sku-1", 1)])).await.expect_json(201);
+    }
+    // The first two are two hours old.
+    tamper(app.database_url(), &["UPDATE events SET at = at - 7200000 WHERE tenant_id = 'shop' AND seq <= 2"]).await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let page = shop.get("/v1/events").await.expect_json(200);
+        let seqs: Vec<i64> = page["items"].as_array().into_iter().flatten().filter_map(|e| e["seq"].as_i64()).collect();
+        if seqs == [3] {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "only the young event is left: {page}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
