@@ -6,7 +6,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{Content, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
-use super::{admin, ops, orders, plugins, reservations, resources, warm};
+use super::{admin, events, ops, orders, plugins, reservations, resources, warm};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -20,6 +20,7 @@ use super::{admin, ops, orders, plugins, reservations, resources, warm};
         orders::create_order, orders::dry_run,
         reservations::get_reservation, reservations::confirm, reservations::release, reservations::reconciliation,
         plugins::put_plugin, plugins::get_plugin, plugins::list_versions, plugins::activate,
+        events::events,
     ),
     components(schemas(crate::problem::Problem)),
     modifiers(&Security, &RateLimited),
@@ -29,6 +30,7 @@ use super::{admin, ops, orders, plugins, reservations, resources, warm};
         (name = "reservations", description = "Held stock: confirm, release, expiry"),
         (name = "plugins", description = "The tenant's planning plugin (WebAssembly component)"),
         (name = "admin", description = "Tenants and API keys (admin token)"),
+        (name = "events", description = "The tenant's event feed (transactional outbox)"),
     )
 )]
 pub struct ApiDoc;
