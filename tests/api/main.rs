@@ -34,3 +34,4 @@ mod resources;
 mod retention;
 mod tenants;
 mod validation;
+mod webhooks;
