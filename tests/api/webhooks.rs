@@ -545,6 +545,9 @@ async fn a_receiver_down_for_the_whole_window_leaves_the_endpoint_failing_and_th
     tokio::time::sleep(Duration::from_millis(500)).await; // a quiet spell to show nothing is sent
     assert_eq!(receiver.all().len(), attempts, "a failing endpoint gets nothing");
 
+    // A failing receiver is not the server's health.
+    assert_eq!(app.get_anonymous("/readyz").await.status(), 200, "/readyz ignores receivers");
+
     // The feed is complete: every event is there.
     let events = feed(&shop).await;
     assert_eq!(events.iter().filter(|e| e["type"] == "order.applied").count(), 4, "{events:#?}");
@@ -597,4 +600,31 @@ async fn rotation_signs_with_both_secrets_and_redeliver_sends_an_event_again() {
     eventually("the redelivery", &app, || receiver.delivered().iter().filter(|r| r.id == event_id).count() == 2).await;
     let unknown = shop.post(&format!("/v1/webhooks/{id}/redeliver"), &json!({"event_id": "evt_nope"})).await;
     assert_problem(&unknown, 404, "event_not_found");
+}
+
+/// Two processes on one database both run the delivery job: every event is sent once, by one
+/// of them (claims skip what the other holds), and in order per ordering key.
+#[tokio::test]
+async fn two_processes_deliver_each_event_once() {
+    let app = spawn_app_with(webhook_options("")).await;
+    let shop = app.create_tenant("shop").await;
+    let sibling = app.spawn_sibling().await;
+    let shop2 = sibling.tenant_with_key(&shop.id, &shop.api_key);
+    let receiver = Receiver::start().await;
+    register(&shop, &receiver.url()).await;
+
+    shop.create_resource("sku-1", 1_000).await;
+    shop.create_resource("sku-2", 1_000).await;
+    for n in 0..20 {
+        let (client, key) = if n % 2 == 0 { (&shop, "sku-1") } else { (&shop2, "sku-2") };
+        client.order(&format!("o-{n}"), &deduct(&format!("ORD-{n}"), &[(key, 1)])).await.expect_json(201);
+    }
+    let events = until_all_delivered(&app, &shop, &receiver).await;
+    assert_eq!(events.len(), 20);
+    // A quiet spell in which a second sender, if there were one, would show.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let all = receiver.all();
+    let ids: BTreeSet<&str> = all.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!((ids.len(), all.len()), (20, 20), "each event sent once: {all:#?}");
+    assert_in_order_per_key(&receiver.delivered());
 }
