@@ -684,10 +684,6 @@ impl Config {
         if hooks.retry_initial_ms > hooks.retry_max_ms {
             bail!("events.webhooks.retry_initial_ms must not exceed retry_max_ms");
         }
-        // An event must still be in the feed when its last retry is due.
-        if hooks.retry_window_seconds > self.events.retention_hours.saturating_mul(3600) {
-            bail!("events.webhooks.retry_window_seconds must not exceed events.retention_hours");
-        }
         if self.orders.max_lines > 1000 {
             bail!("orders.max_lines must be at most 1000");
         }

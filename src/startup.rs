@@ -253,7 +253,7 @@ pub async fn run(
     let mut jobs = Supervisor::new(state.jobs.clone(), policy, jobs_stopped);
     jobs::spawn(&mut jobs, storage.clone(), job_settings);
     if config.events.webhooks.enabled {
-        let settings = crate::webhooks::delivery::DeliverySettings::from_config(&config.events.webhooks);
+        let settings = crate::webhooks::delivery::DeliverySettings::from_config(&config.events);
         crate::webhooks::delivery::spawn(&mut jobs, storage.clone(), settings);
     }
     if let Some(hot) = &state.redis {

@@ -49,8 +49,19 @@ pub struct DeliverySettings {
 }
 
 impl DeliverySettings {
-    pub fn from_config(c: &crate::config::WebhooksConfig) -> Self {
+    /// The settings of `[events.webhooks]`; the retry window is kept within `[events]
+    /// retention_hours`, so an event is still in the feed when its last retry is due.
+    pub fn from_config(events: &crate::config::EventsConfig) -> Self {
+        let c = &events.webhooks;
         let ms = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let retention_seconds = events.retention_hours.saturating_mul(3600);
+        if c.retry_window_seconds > retention_seconds {
+            tracing::warn!(
+                retry_window_seconds = c.retry_window_seconds,
+                retention_seconds,
+                "[events.webhooks] retry_window_seconds exceeds the events' retention; using the retention"
+            );
+        }
         Self {
             poll_interval: Duration::from_millis(c.poll_interval_ms),
             request_timeout: Duration::from_millis(c.request_timeout_ms),
@@ -60,7 +71,7 @@ impl DeliverySettings {
             retry: RetryPolicy {
                 initial_ms: ms(c.retry_initial_ms),
                 max_ms: ms(c.retry_max_ms),
-                window_ms: ms(c.retry_window_seconds.saturating_mul(1000)),
+                window_ms: ms(c.retry_window_seconds.min(retention_seconds).saturating_mul(1000)),
             },
             allow_private_targets: c.allow_private_targets,
             attempts_retention: Duration::from_secs(c.attempts_retention_hours.saturating_mul(3600)),

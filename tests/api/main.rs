@@ -14,6 +14,7 @@ mod cluster;
 mod concurrency;
 mod config_tenants;
 mod crash;
+mod events;
 mod helpers;
 mod idempotency;
 mod isolation;
