@@ -35,3 +35,4 @@ mod resources;
 mod retention;
 mod tenants;
 mod validation;
+mod webhooks;
