@@ -36,3 +36,4 @@ mod resources;
 mod retention;
 mod tenants;
 mod validation;
+mod webhooks;

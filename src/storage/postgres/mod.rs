@@ -13,6 +13,7 @@ pub mod ops;
 pub mod port;
 pub mod redis_store;
 mod sinks;
+mod webhooks;
 
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};

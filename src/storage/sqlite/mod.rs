@@ -9,6 +9,7 @@ pub mod port;
 pub mod readers;
 pub mod redis_store;
 pub mod sinks;
+mod webhooks;
 pub mod writer;
 
 use std::path::{Path, PathBuf};
