@@ -432,9 +432,17 @@ async fn every_event_type_is_delivered_signed_and_in_order() {
 
     // The deliveries log shows each attempt with its status and latency.
     let id = endpoint["id"].as_str().expect("an id");
-    let log = shop.get(&format!("/v1/webhooks/{id}/deliveries?limit=1000")).await.expect_json(200);
+    // The receiver has every body before the last attempts are recorded: wait for the log.
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let log = loop {
+        let log = shop.get(&format!("/v1/webhooks/{id}/deliveries?limit=1000")).await.expect_json(200);
+        if log["items"].as_array().map(Vec::len) == Some(events.len()) {
+            break log;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "every attempt is logged: {log}");
+        tokio::time::sleep(POLL).await;
+    };
     let items = log["items"].as_array().expect("items");
-    assert_eq!(items.len(), events.len(), "{log}");
     for item in items {
         assert_eq!(
             (&item["outcome"], &item["http_status"], &item["attempt"]),
