@@ -178,7 +178,12 @@ impl NatsSinkConfig {
             bail!("events.nats.url must name a NATS server (nats://host:4222)");
         }
         for server in self.servers() {
-            server.parse::<async_nats::ServerAddr>().with_context(|| format!("events.nats.url: {server:?}"))?;
+            let addr =
+                server.parse::<async_nats::ServerAddr>().with_context(|| format!("events.nats.url: {server:?}"))?;
+            // The client is built without a TLS crypto provider or websockets (Cargo.toml).
+            if addr.scheme() != "nats" {
+                bail!("events.nats.url: {server:?}: only nats:// servers are supported (no TLS, no websockets)");
+            }
         }
         let token_ok = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b));
         if self.subject_prefix.len() > 128 || !self.subject_prefix.split('.').all(token_ok) {
@@ -875,6 +880,8 @@ mod tests {
         assert!(parse("[events.nats]\nurl = \"nats://h\"\nstream = \"a.b\"").is_err());
         assert!(parse("[events.nats]\nurl = \"nats://h\"\npublish_timeout_ms = 9000").is_err());
         assert!(parse("[events.nats]\nurl = \"nats://h\"\nbatch_size = 0").is_err());
+        assert!(parse("[events.nats]\nurl = \"tls://h:4222\"").is_err(), "no TLS provider is built in");
+        assert!(parse("[events.nats]\nurl = \"nats://a:4222, b:4223\"").is_ok(), "nats:// is the default scheme");
     }
 
     #[test]
