@@ -76,6 +76,9 @@ pub struct WebhooksConfig {
     pub request_timeout_ms: u64,
     /// Deliveries in flight at once in this process.
     pub max_concurrency: usize,
+    /// Deliveries of one tenant in flight at once, across processes: one tenant's slow
+    /// receivers never take every place.
+    pub max_in_flight_per_tenant: u32,
     /// How often the job looks for new events and due retries (this process's own commits
     /// wake it sooner).
     pub poll_interval_ms: u64,
@@ -102,6 +105,7 @@ impl Default for WebhooksConfig {
             retry_max_ms: 3_600_000,
             request_timeout_ms: 10_000,
             max_concurrency: 32,
+            max_in_flight_per_tenant: 8,
             poll_interval_ms: 500,
             batch: 100,
             max_pending_per_endpoint: 10_000,
@@ -702,6 +706,7 @@ impl Config {
             ("events.webhooks.retry_max_ms", self.events.webhooks.retry_max_ms),
             ("events.webhooks.request_timeout_ms", self.events.webhooks.request_timeout_ms),
             ("events.webhooks.max_concurrency", self.events.webhooks.max_concurrency as u64),
+            ("events.webhooks.max_in_flight_per_tenant", u64::from(self.events.webhooks.max_in_flight_per_tenant)),
             ("events.webhooks.poll_interval_ms", self.events.webhooks.poll_interval_ms),
             ("events.webhooks.batch", u64::from(self.events.webhooks.batch)),
             ("events.webhooks.max_pending_per_endpoint", u64::from(self.events.webhooks.max_pending_per_endpoint)),

@@ -39,6 +39,8 @@ CREATE TABLE webhook_deliveries (
     PRIMARY KEY (endpoint_id, seq)
 );
 CREATE INDEX webhook_deliveries_due ON webhook_deliveries (due_at);
+-- A tenant's due deliveries, oldest first, and what it holds in flight (the per-tenant cap).
+CREATE INDEX webhook_deliveries_by_tenant ON webhook_deliveries (tenant_id, due_at, seq);
 CREATE INDEX webhook_deliveries_order ON webhook_deliveries (endpoint_id, ordering_key, seq);
 CREATE INDEX webhook_deliveries_age ON webhook_deliveries (event_at);
 

@@ -41,6 +41,7 @@ pub struct DeliverySettings {
     pub poll_interval: Duration,
     pub request_timeout: Duration,
     pub max_concurrency: usize,
+    pub max_in_flight_per_tenant: u32,
     pub batch: u32,
     pub max_pending_per_endpoint: u32,
     pub retry: RetryPolicy,
@@ -66,6 +67,7 @@ impl DeliverySettings {
             poll_interval: Duration::from_millis(c.poll_interval_ms),
             request_timeout: Duration::from_millis(c.request_timeout_ms),
             max_concurrency: c.max_concurrency.max(1),
+            max_in_flight_per_tenant: c.max_in_flight_per_tenant.max(1),
             batch: c.batch.max(1),
             max_pending_per_endpoint: c.max_pending_per_endpoint.max(1),
             retry: RetryPolicy {
@@ -181,7 +183,9 @@ async fn pass(
     if free > 0 {
         let now = now_ms();
         let lease_until = now.saturating_add(i64::try_from(settings.lease().as_millis()).unwrap_or(i64::MAX));
-        for claimed in storage.claim_webhook_deliveries(now, lease_until, free).await? {
+        for claimed in
+            storage.claim_webhook_deliveries(now, lease_until, free, settings.max_in_flight_per_tenant).await?
+        {
             // Only this loop takes places, and it claimed no more than were free.
             let Ok(place) = places.clone().try_acquire_owned() else { break };
             let (storage, client, settings, finished) =

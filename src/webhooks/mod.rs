@@ -275,12 +275,15 @@ pub trait WebhookStore: Send + Sync {
         limits: QueueLimits,
     ) -> Result<QueuePage, StorageError>;
     /// Claims up to `limit` due deliveries of active endpoints, each the oldest queued of its
-    /// endpoint and ordering key, until `lease_until`.
+    /// endpoint and ordering key, until `lease_until`; no tenant's claims (with those it holds
+    /// already, in any process) beyond `per_tenant`, so one tenant's slow receivers never take
+    /// every place.
     async fn claim_webhook_deliveries(
         &self,
         now_ms: i64,
         lease_until: i64,
         limit: u32,
+        per_tenant: u32,
     ) -> Result<Vec<Claimed>, StorageError>;
     /// Records an attempt and applies its [`Next`] (only while the claim still holds).
     async fn finish_webhook_delivery(&self, finished: &Finished) -> Result<(), StorageError>;

@@ -118,6 +118,8 @@ struct ReceiverState {
     fail_next: AtomicUsize,
     /// Answer 503 to everything.
     down: AtomicBool,
+    /// Record each request, then hold it open for a minute before answering.
+    hang: AtomicBool,
 }
 
 /// An HTTP server on 127.0.0.1 that records every request and answers 200, or 503 while told to.
@@ -145,6 +147,9 @@ async fn receive(State(state): State<Arc<ReceiverState>>, headers: HeaderMap, bo
         body: String::from_utf8_lossy(&body).into_owned(),
         answered: status.as_u16(),
     });
+    if state.hang.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    }
     status
 }
 
@@ -635,4 +640,42 @@ async fn two_processes_deliver_each_event_once() {
     let ids: BTreeSet<&str> = all.iter().map(|r| r.id.as_str()).collect();
     assert_eq!((ids.len(), all.len()), (20, 20), "each event sent once: {all:#?}");
     assert_in_order_per_key(&receiver.delivered());
+}
+
+/// Proves a tenant whose receiver hangs holds at most its share of the delivery places
+/// (`max_in_flight_per_tenant`): another tenant's event is delivered while the first tenant's
+/// deliveries are still hanging, long before they time out.
+#[tokio::test]
+async fn a_tenant_whose_receiver_hangs_does_not_hold_up_another_tenants_deliveries() {
+    let app = spawn_app_with(webhook_options(
+        "max_concurrency = 4\nmax_in_flight_per_tenant = 2\nrequest_timeout_ms = 30000",
+    ))
+    .await;
+    let slow = app.create_tenant("slow").await;
+    let fast = app.create_tenant("fast").await;
+    let hanging = Receiver::start().await;
+    hanging.state.hang.store(true, Ordering::SeqCst);
+    let healthy = Receiver::start().await;
+    register(&slow, &hanging.url()).await;
+    register(&fast, &healthy.url()).await;
+
+    // Eight events of the slow tenant, each of its own order: all could go at once.
+    slow.create_resource("sku-1", 100).await;
+    for i in 0..8 {
+        slow.order(&format!("k{i}"), &deduct(&format!("ORD-{i}"), &[("sku-1", 1)])).await.expect_json(201);
+    }
+    eventually("the hanging receiver holds its share", &app, || hanging.all().len() >= 2).await;
+
+    fast.create_resource("sku-1", 100).await;
+    fast.order("k1", &deduct("ORD-1", &[("sku-1", 1)])).await.expect_json(201);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while healthy.delivered().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the other tenant's event waits behind {} hanging deliveries",
+            hanging.all().len()
+        );
+        tokio::time::sleep(POLL).await;
+    }
+    assert_eq!(hanging.all().len(), 2, "the hanging tenant never holds more than its share");
 }

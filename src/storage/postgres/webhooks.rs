@@ -28,14 +28,28 @@ async fn endpoint_of(conn: &mut PgConnection, tenant: &str, id: &str) -> Result<
 /// Claims due deliveries (each the oldest queued of its endpoint and ordering key) and returns
 /// them with their endpoint and event. Rows another process is claiming are skipped; a row it
 /// claimed is skipped while its lease runs (the WHERE is checked again on the locked row).
-const CLAIM_SQL: &str = "WITH picked AS (
+/// Each tenant with an active endpoint gets at most `$4` deliveries in flight (those it holds
+/// in any process count), its oldest due first; then the oldest of all, up to `$3`.
+const CLAIM_SQL: &str = "WITH room AS (
+        SELECT t.tenant_id,
+               $4 - (SELECT COUNT(*) FROM webhook_deliveries f
+                      WHERE f.tenant_id = t.tenant_id AND f.lease_until > $1) AS n
+          FROM (SELECT DISTINCT tenant_id FROM webhook_endpoints WHERE state = 'active') t),
+     fair AS (
+        SELECT x.endpoint_id, x.seq, x.due_at FROM room r
+         CROSS JOIN LATERAL (
+            SELECT q.endpoint_id, q.seq, q.due_at FROM webhook_deliveries q
+              JOIN webhook_endpoints w ON w.id = q.endpoint_id
+             WHERE q.tenant_id = r.tenant_id AND w.state = 'active' AND q.due_at <= $1 AND q.lease_until <= $1
+               AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p
+                                WHERE p.endpoint_id = q.endpoint_id AND p.ordering_key = q.ordering_key
+                                  AND p.seq < q.seq)
+             ORDER BY q.due_at, q.seq LIMIT GREATEST(r.n, 0)) x
+         ORDER BY x.due_at, x.seq LIMIT $3),
+     picked AS (
         SELECT q.endpoint_id, q.seq FROM webhook_deliveries q
-          JOIN webhook_endpoints w ON w.id = q.endpoint_id
-         WHERE w.state = 'active' AND q.due_at <= $1 AND q.lease_until <= $1
-           AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p
-                            WHERE p.endpoint_id = q.endpoint_id AND p.ordering_key = q.ordering_key
-                              AND p.seq < q.seq)
-         ORDER BY q.due_at, q.seq LIMIT $3
+          JOIN fair ON fair.endpoint_id = q.endpoint_id AND fair.seq = q.seq
+         WHERE q.lease_until <= $1
          FOR UPDATE OF q SKIP LOCKED),
      claimed AS (
         UPDATE webhook_deliveries d SET lease_until = $2 FROM picked
@@ -378,12 +392,14 @@ impl WebhookStore for PgStorage {
         now_ms: i64,
         lease_until: i64,
         limit: u32,
+        per_tenant: u32,
     ) -> Result<Vec<Claimed>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
         sqlx::query(CLAIM_SQL)
             .bind(now_ms)
             .bind(lease_until)
             .bind(i64::from(limit))
+            .bind(i64::from(per_tenant))
             .fetch_all(&mut *conn)
             .await?
             .iter()

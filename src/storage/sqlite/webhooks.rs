@@ -131,18 +131,32 @@ fn queue(conn: &Connection, now_ms: i64, after: &str, limits: QueueLimits) -> Re
     Ok(page)
 }
 
-fn claim(conn: &Connection, now_ms: i64, lease_until: i64, limit: u32) -> Result<Vec<Claimed>, StorageError> {
+/// Each tenant gets at most `per_tenant` deliveries in flight (those it holds count), its
+/// oldest due first; then the oldest of all, up to `limit`.
+fn claim(
+    conn: &Connection,
+    now_ms: i64,
+    lease_until: i64,
+    limit: u32,
+    per_tenant: u32,
+) -> Result<Vec<Claimed>, StorageError> {
     let picked: Vec<(String, i64)> = conn
         .prepare_cached(
-            "SELECT q.endpoint_id, q.seq FROM webhook_deliveries q
-               JOIN webhook_endpoints w ON w.id = q.endpoint_id
-              WHERE w.state = 'active' AND q.due_at <= ?1 AND q.lease_until <= ?1
-                AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p
-                                 WHERE p.endpoint_id = q.endpoint_id AND p.ordering_key = q.ordering_key
-                                   AND p.seq < q.seq)
-              ORDER BY q.due_at, q.seq LIMIT ?2",
+            "SELECT endpoint_id, seq FROM (
+                SELECT q.endpoint_id, q.seq, q.due_at,
+                       ROW_NUMBER() OVER (PARTITION BY q.tenant_id ORDER BY q.due_at, q.seq) AS rank,
+                       (SELECT COUNT(*) FROM webhook_deliveries f
+                         WHERE f.tenant_id = q.tenant_id AND f.lease_until > ?1) AS busy
+                  FROM webhook_deliveries q
+                  JOIN webhook_endpoints w ON w.id = q.endpoint_id
+                 WHERE w.state = 'active' AND q.due_at <= ?1 AND q.lease_until <= ?1
+                   AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p
+                                    WHERE p.endpoint_id = q.endpoint_id AND p.ordering_key = q.ordering_key
+                                      AND p.seq < q.seq))
+              WHERE rank + busy <= ?3
+              ORDER BY due_at, seq LIMIT ?2",
         )?
-        .query_map(params![now_ms, i64::from(limit)], |row| Ok((row.get(0)?, row.get(1)?)))?
+        .query_map(params![now_ms, i64::from(limit), i64::from(per_tenant)], |row| Ok((row.get(0)?, row.get(1)?)))?
         .collect::<Result<_, _>>()?;
     let mut claimed = Vec::with_capacity(picked.len());
     for (endpoint_id, seq) in picked {
@@ -325,8 +339,9 @@ impl WebhookStore for SqliteStorage {
         now_ms: i64,
         lease_until: i64,
         limit: u32,
+        per_tenant: u32,
     ) -> Result<Vec<Claimed>, StorageError> {
-        self.writer()?.submit(move |conn| claim(conn, now_ms, lease_until, limit)).await
+        self.writer()?.submit(move |conn| claim(conn, now_ms, lease_until, limit, per_tenant)).await
     }
 
     async fn finish_webhook_delivery(&self, finished: &Finished) -> Result<(), StorageError> {
