@@ -2,8 +2,8 @@
 # Runs every check and test stockd has: formatting, lints, unit tests, and the black-box HTTP
 # suite against the real server binary on each storage backend (SQLite, then PostgreSQL).
 # This is the README's test command and exactly what CI runs. It starts PostgreSQL when none
-# answers on 127.0.0.1:5432 and Redis when none answers on 127.0.0.1:6379, installing either
-# from Debian's packages if it is missing.
+# answers on 127.0.0.1:5432, Redis when none answers on 127.0.0.1:6379 and NATS with JetStream
+# when none answers on 127.0.0.1:4222, installing each from Debian's packages if it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,9 +51,32 @@ ensure_redis() {
   answers 6379 || { echo "Redis did not start on 127.0.0.1:6379" >&2; exit 1; }
 }
 
+# NATS with JetStream for the broker-sink tests (tests/api/nats_sink.rs), each of which makes
+# its own stream and deletes it. Debian installs the binary in /usr/sbin.
+nats_server() { command -v nats-server 2>/dev/null || { [ -x /usr/sbin/nats-server ] && echo /usr/sbin/nats-server; }; }
+
+ensure_nats() {
+  nats_server >/dev/null || {
+    echo "== installing nats-server"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server >/dev/null
+  }
+  local bin
+  bin=$(nats_server) || { echo "nats-server could not be installed" >&2; exit 1; }
+  answers 4222 && return 0
+  echo "== starting NATS with JetStream (none answers on 127.0.0.1:4222)"
+  local dir="${TMPDIR:-/tmp}/stockd-nats"
+  mkdir -p "$dir"
+  setsid nohup "$bin" -a 127.0.0.1 -p 4222 -js -sd "$dir/jetstream" >"$dir/nats-server.log" 2>&1 </dev/null &
+  for _ in $(seq 1 60); do answers 4222 && break; sleep 0.25; done
+  answers 4222 || { echo "NATS did not start on 127.0.0.1:4222 (see $dir/nats-server.log)" >&2; exit 1; }
+}
+
 ensure_postgres
 ensure_redis
+ensure_nats
 export STOCKD_TEST_REDIS_URL="${STOCKD_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
+export STOCKD_TEST_NATS_URL="${STOCKD_TEST_NATS_URL:-nats://127.0.0.1:4222}"
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

@@ -46,6 +46,8 @@ pub struct EventsConfig {
     pub max_waiting_per_tenant: usize,
     /// How often a waiting poll looks again for events other processes committed.
     pub poll_interval_ms: u64,
+    /// The NATS JetStream sink (docs/NATS.md); absent: none.
+    pub nats: Option<NatsSinkConfig>,
     /// `[events.webhooks]`: delivery to tenants' endpoints (docs/WEBHOOKS.md).
     pub webhooks: WebhooksConfig,
 }
@@ -121,8 +123,94 @@ impl Default for EventsConfig {
             max_wait_seconds: 25,
             max_waiting_per_tenant: 16,
             poll_interval_ms: 500,
+            nats: None,
             webhooks: WebhooksConfig::default(),
         }
+    }
+}
+
+/// `[events.nats]`: every committed event is published to NATS JetStream on
+/// `<subject_prefix>.<tenant>.<type>`, with the event id as `Nats-Msg-Id` (docs/NATS.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NatsSinkConfig {
+    /// The NATS server(s): `nats://host:4222`, several separated by commas.
+    pub url: String,
+    /// First subject tokens: dot-separated tokens of `[A-Za-z0-9_-]`.
+    pub subject_prefix: String,
+    /// A stream to create at connect if missing, capturing `<subject_prefix>.>`; none: the
+    /// operator provides a stream that captures the subjects.
+    pub stream: Option<String>,
+    /// The duplicate window of the stream stockd creates: a republished event (a crash between
+    /// publish and the stored cursor) is dropped only within it.
+    pub duplicate_window_seconds: u64,
+    /// How long a page's acknowledgements are awaited (and a connection attempt); at most 5000,
+    /// so a PostgreSQL cursor claim ends well within the session's idle limit.
+    pub publish_timeout_ms: u64,
+    /// Events published per page, acknowledgements awaited together (1..=1000).
+    pub batch_size: u32,
+    /// How often the sink looks for undelivered events.
+    pub poll_interval_ms: u64,
+}
+
+impl Default for NatsSinkConfig {
+    fn default() -> Self {
+        Self {
+            url: String::new(),
+            subject_prefix: "stockd".into(),
+            stream: None,
+            duplicate_window_seconds: 600,
+            publish_timeout_ms: 5_000,
+            batch_size: 100,
+            poll_interval_ms: 200,
+        }
+    }
+}
+
+/// Longest `publish_timeout_ms`: a PostgreSQL claim's transaction waits idle that long, and the
+/// session is ended after 10 s idle in a transaction.
+pub const NATS_MAX_PUBLISH_TIMEOUT_MS: u64 = 5_000;
+
+impl NatsSinkConfig {
+    /// The servers of `url`.
+    pub fn servers(&self) -> Vec<String> {
+        self.url.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        if self.url.trim().is_empty() {
+            bail!("events.nats.url must name a NATS server (nats://host:4222)");
+        }
+        for server in self.servers() {
+            let addr =
+                server.parse::<async_nats::ServerAddr>().with_context(|| format!("events.nats.url: {server:?}"))?;
+            // The client is built without a TLS crypto provider or websockets (Cargo.toml).
+            if addr.scheme() != "nats" {
+                bail!("events.nats.url: {server:?}: only nats:// servers are supported (no TLS, no websockets)");
+            }
+        }
+        let token_ok = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b));
+        if self.subject_prefix.len() > 128 || !self.subject_prefix.split('.').all(token_ok) {
+            bail!("events.nats.subject_prefix must be dot-separated tokens of [A-Za-z0-9_-], 128 characters at most");
+        }
+        if let Some(stream) = &self.stream {
+            if stream.len() > 64 || !token_ok(stream) {
+                bail!("events.nats.stream must be 1-64 characters of [A-Za-z0-9_-]");
+            }
+        }
+        if self.duplicate_window_seconds == 0 {
+            bail!("events.nats.duplicate_window_seconds must be greater than 0");
+        }
+        if !(1..=NATS_MAX_PUBLISH_TIMEOUT_MS).contains(&self.publish_timeout_ms) {
+            bail!("events.nats.publish_timeout_ms must be between 1 and {NATS_MAX_PUBLISH_TIMEOUT_MS}");
+        }
+        if !(1..=1000).contains(&self.batch_size) {
+            bail!("events.nats.batch_size must be between 1 and 1000");
+        }
+        if self.poll_interval_ms == 0 {
+            bail!("events.nats.poll_interval_ms must be greater than 0");
+        }
+        Ok(())
     }
 }
 
@@ -698,6 +786,9 @@ impl Config {
         if !matches!(self.database.sqlite_synchronous.as_str(), "full" | "normal") {
             bail!("database.sqlite_synchronous must be \"full\" or \"normal\"");
         }
+        if let Some(nats) = &self.events.nats {
+            nats.validate()?;
+        }
         if let Some(hash) = &self.server.admin_token_sha256 {
             check_sha256("server.admin_token_sha256", hash)?;
         }
@@ -749,6 +840,53 @@ mod tests {
         config.apply_env(|name| (name == "STOCKD_LISTEN").then(|| "127.0.0.1:0".to_string()));
         assert_eq!(config.server.listen, "127.0.0.1:0");
         assert_eq!(config.database.url, "sqlite://data/stockd.db");
+    }
+
+    #[test]
+    fn the_commented_nats_example_parses_and_validates() {
+        let text = include_str!("../config/stockd.toml");
+        let block: Vec<&str> = text
+            .lines()
+            .skip_while(|l| *l != "# [events.nats]")
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| l.strip_prefix("# ").unwrap_or(l))
+            .collect();
+        assert!(block.len() > 1, "config/stockd.toml shows a commented [events.nats]");
+        let config: Config = toml::from_str(&block.join("\n")).unwrap_or_else(|e| panic!("{e}"));
+        assert!(config.validate().is_ok());
+        let nats = config.events.nats.expect("the block is [events.nats]");
+        let defaults = NatsSinkConfig::default();
+        assert_eq!(
+            (nats.subject_prefix, nats.duplicate_window_seconds, nats.publish_timeout_ms, nats.batch_size),
+            (
+                defaults.subject_prefix,
+                defaults.duplicate_window_seconds,
+                defaults.publish_timeout_ms,
+                defaults.batch_size
+            ),
+            "the example shows the defaults"
+        );
+        assert_eq!(nats.poll_interval_ms, defaults.poll_interval_ms);
+    }
+
+    #[test]
+    fn a_nats_sink_needs_a_url_and_subject_safe_names() {
+        let parse = |text: &str| {
+            toml::from_str::<Config>(text).map_err(|e| e.to_string())?.validate().map_err(|e| e.to_string())
+        };
+        assert!(parse("").is_ok(), "no [events.nats]: no sink");
+        assert!(parse("[events.nats]\nurl = \"nats://127.0.0.1:4222\"").is_ok());
+        assert!(parse("[events.nats]\nsubject_prefix = \"x\"").is_err(), "a url is required");
+        for prefix in ["", "a..b", "a.*", "a.>", "a b", ".a"] {
+            let text = format!("[events.nats]\nurl = \"nats://h\"\nsubject_prefix = {prefix:?}");
+            assert!(parse(&text).is_err(), "prefix {prefix:?} is refused");
+        }
+        assert!(parse("[events.nats]\nurl = \"nats://h\"\nsubject_prefix = \"acme.stock-events_1\"").is_ok());
+        assert!(parse("[events.nats]\nurl = \"nats://h\"\nstream = \"a.b\"").is_err());
+        assert!(parse("[events.nats]\nurl = \"nats://h\"\npublish_timeout_ms = 9000").is_err());
+        assert!(parse("[events.nats]\nurl = \"nats://h\"\nbatch_size = 0").is_err());
+        assert!(parse("[events.nats]\nurl = \"tls://h:4222\"").is_err(), "no TLS provider is built in");
+        assert!(parse("[events.nats]\nurl = \"nats://a:4222, b:4223\"").is_ok(), "nats:// is the default scheme");
     }
 
     #[test]

@@ -245,6 +245,7 @@ pub async fn run(
         failure_retention: Duration::from_secs(config.redis.failure_retention_seconds),
         events_purge_interval: Duration::from_secs(config.events.purge_interval_seconds),
         events_retention: Duration::from_secs(config.events.retention_hours.saturating_mul(3600)),
+        nats: config.events.nats.clone(),
     };
     let policy = StuckPolicy {
         intervals: config.jobs.stuck_after_intervals,

@@ -1,8 +1,9 @@
-//! Background jobs: reservation expiry, reconciliation, idempotency-record purge. Each is a
+//! Background jobs: reservation expiry, reconciliation, purges, the event sink. Each is a
 //! periodic run under the [`supervisor`] (restarted after a panic, reported by `/readyz`), does
 //! bounded work per run, and never panics the process on a storage error: it logs, and the
 //! supervisor tries again after a short backoff.
 
+pub mod nats_sink;
 pub mod settlement;
 pub mod supervisor;
 
@@ -38,6 +39,8 @@ pub struct JobSettings {
     /// How often events past their retention are deleted.
     pub events_purge_interval: Duration,
     pub events_retention: Duration,
+    /// The NATS JetStream sink of the events (`[events.nats]`); `None`: none.
+    pub nats: Option<crate::config::NatsSinkConfig>,
 }
 
 /// Most idempotency records deleted per purge transaction, so a purge never holds the writer long.
@@ -66,6 +69,12 @@ pub fn spawn(supervisor: &mut Supervisor, storage: Arc<dyn Storage>, settings: J
         let failures_ms = millis(settings.failure_retention);
         move || purge_settlement(storage.clone(), settled_ms, failures_ms)
     });
+    if let Some(nats) = settings.nats {
+        let interval = Duration::from_millis(nats.poll_interval_ms);
+        let sink = Arc::new(nats_sink::NatsSink::new(nats));
+        let storage = storage.clone();
+        supervisor.every("nats_sink", interval, move || nats_sink::run(sink.clone(), storage.clone()));
+    }
     if let Some(interval) = settings.rebalance_interval {
         let storage = storage.clone();
         let batch = settings.rebalance_batch;

@@ -2,14 +2,17 @@
 //! panic (logged, counted in `stockd_job_panics_total{job}`), waits a short backoff and starts
 //! the job again, and stops every job on shutdown. Each job reports its successful runs to its
 //! entry in the [`JobRegistry`]; `/readyz` lists the entries and answers 503 while one of them
-//! is stuck: no successful run for longer than its threshold (see [`StuckPolicy`]).
+//! is stuck: no successful run for longer than its threshold (see [`StuckPolicy`]); a run that
+//! failed only because an external receiver did ([`Tick::ReceiverDown`]) does not count
+//! against it.
 //!
 //! A supervisor cannot take back a job that hangs (dropping its future mid-statement is no
 //! better than waiting); it makes the hang visible instead.
 //!
 //! Test hooks ([`faults`]): `STOCKD_FAULT_PANIC_JOB=name:count` makes the named job panic on
 //! its first `count` runs, `STOCKD_FAULT_HANG_JOB=name:ms` makes its first run hang `ms`
-//! milliseconds. Both are read once, at the first use, and logged as a warning when set.
+//! milliseconds, `STOCKD_FAULT_HANG_AT=point` makes a job hang for good at a named point of its
+//! run. All are read once, at the first use, and logged as a warning when set.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -52,6 +55,11 @@ pub enum Tick {
     Done,
     /// The run failed (already logged); it is tried again after a backoff.
     Failed,
+    /// The run reached storage but an external receiver (a broker) failed it (already logged
+    /// and counted): tried again after a backoff like `Failed`, but the job is not stuck for it.
+    /// `/readyz` routes traffic around a process that cannot serve; every process shares the
+    /// receiver, so none would serve better, and the receiver's own metrics tell the operator.
+    ReceiverDown,
 }
 
 /// One job's health, shared by the job (which reports successes) and `/readyz`.
@@ -63,22 +71,37 @@ pub struct JobHealth {
     registered: Instant,
     /// Milliseconds after `registered` of the last success, plus one (0: never).
     last_ok: AtomicU64,
+    /// Like `last_ok`, for the last run that ended without being stuck on this process: a
+    /// success, or a failure of an external receiver ([`Tick::ReceiverDown`]).
+    last_alive: AtomicU64,
     restarts: AtomicU64,
 }
 
 impl JobHealth {
     /// Records a successful run now.
     pub fn ok(&self) {
-        let since = u64::try_from(self.registered.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
-        self.last_ok.store(since + 1, Ordering::Relaxed);
+        let since = self.since_registered();
+        self.last_ok.store(since, Ordering::Relaxed);
+        self.last_alive.store(since, Ordering::Relaxed);
+    }
+
+    /// Records a run that failed on an external receiver now: not a success, not stuck.
+    pub fn alive(&self) {
+        self.last_alive.store(self.since_registered(), Ordering::Relaxed);
+    }
+
+    /// Milliseconds since registration, plus one (the encoding of `last_ok`).
+    fn since_registered(&self) -> u64 {
+        u64::try_from(self.registered.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1
     }
 
     fn report(&self) -> JobReport {
         let now_ms = u64::try_from(self.registered.elapsed().as_millis()).unwrap_or(u64::MAX);
         let last_ok = self.last_ok.load(Ordering::Relaxed);
         let last_ok_ms_ago = (last_ok > 0).then(|| now_ms.saturating_sub(last_ok - 1));
-        // A job that never succeeded is judged from when it was started.
-        let quiet_ms = last_ok_ms_ago.unwrap_or(now_ms);
+        let last_alive = self.last_alive.load(Ordering::Relaxed).max(last_ok);
+        // A job that never ran to an end is judged from when it was started.
+        let quiet_ms = if last_alive > 0 { now_ms.saturating_sub(last_alive - 1) } else { now_ms };
         let stuck_after_ms = self.stuck_after.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         JobReport {
             name: self.name,
@@ -117,6 +140,7 @@ impl JobRegistry {
             stuck_after,
             registered: Instant::now(),
             last_ok: AtomicU64::new(0),
+            last_alive: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
         });
         if let Ok(mut jobs) = self.jobs.lock() {
@@ -274,11 +298,15 @@ where
                 ctx.ok();
                 retry = RETRY_BACKOFF_MIN;
             }
-            Tick::Failed if retry < interval => {
-                timer.reset_after(retry);
-                retry = retry.saturating_mul(2);
+            Tick::Failed | Tick::ReceiverDown => {
+                if ended == Tick::ReceiverDown {
+                    ctx.health.alive();
+                }
+                if retry < interval {
+                    timer.reset_after(retry);
+                    retry = retry.saturating_mul(2);
+                }
             }
-            Tick::Failed => {}
         }
         if *shutdown.borrow() {
             return;
@@ -299,7 +327,8 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 /// Failure injection for the black-box tests, which can only reach the server through its
 /// environment: `STOCKD_FAULT_PANIC_JOB=name:count[,name:count]` panics the named job's first
 /// `count` runs (the SQLite writer's first `count` batches for `sqlite_writer`);
-/// `STOCKD_FAULT_HANG_JOB=name:ms[,...]` makes its first run hang `ms` milliseconds. Unset (as in
+/// `STOCKD_FAULT_HANG_JOB=name:ms[,...]` makes its first run hang `ms` milliseconds;
+/// `STOCKD_FAULT_HANG_AT=point[,...]` hangs at those points ([`hang_at`]) until killed. Unset (as in
 /// any real deployment) they cost one relaxed atomic load per run.
 pub mod faults {
     use std::collections::HashMap;
@@ -313,6 +342,8 @@ pub mod faults {
         panics: HashMap<String, AtomicU64>,
         /// Milliseconds the next run hangs (taken once), by job.
         hangs: HashMap<String, AtomicU64>,
+        /// Points inside a job's run where it hangs until the process is killed.
+        hang_at: Vec<String>,
     }
 
     fn faults() -> &'static Faults {
@@ -321,8 +352,14 @@ pub mod faults {
             let faults = Faults {
                 panics: parse(std::env::var("STOCKD_FAULT_PANIC_JOB").ok().as_deref()),
                 hangs: parse(std::env::var("STOCKD_FAULT_HANG_JOB").ok().as_deref()),
+                hang_at: std::env::var("STOCKD_FAULT_HANG_AT")
+                    .unwrap_or_default()
+                    .split(',')
+                    .map(|p| p.trim().to_string())
+                    .filter(|p| !p.is_empty())
+                    .collect(),
             };
-            if !faults.panics.is_empty() || !faults.hangs.is_empty() {
+            if !faults.panics.is_empty() || !faults.hangs.is_empty() || !faults.hang_at.is_empty() {
                 tracing::warn!("STOCKD_FAULT_* test hooks are set: jobs will panic or hang on purpose");
             }
             faults
@@ -347,6 +384,15 @@ pub mod faults {
     pub fn maybe_panic(name: &str) {
         if take_one(faults().panics.get(name)) {
             panic!("injected fault: STOCKD_FAULT_PANIC_JOB for {name}");
+        }
+    }
+
+    /// Hangs for good if `STOCKD_FAULT_HANG_AT` names `point`: a crash test kills the process
+    /// there (`nats_sink.before_cursor`: the sink's page is acknowledged, its cursor not stored).
+    pub async fn hang_at(point: &str) {
+        if faults().hang_at.iter().any(|p| p == point) {
+            tracing::warn!(point, "injected fault: STOCKD_FAULT_HANG_AT; hanging until killed");
+            std::future::pending::<()>().await;
         }
     }
 
@@ -385,6 +431,35 @@ mod tests {
         let policy = StuckPolicy { intervals: 10, min: Duration::from_secs(30) };
         assert_eq!(policy.threshold(Duration::from_secs(1)), Duration::from_secs(30));
         assert_eq!(policy.threshold(Duration::from_secs(60)), Duration::from_secs(600));
+    }
+
+    /// A job whose external receiver is down is retried and never stuck (nor reported as
+    /// successful); a job whose runs fail is stuck past its threshold.
+    #[tokio::test]
+    async fn a_receiver_outage_is_not_stuck_but_failed_runs_are() {
+        let registry = Arc::new(JobRegistry::default());
+        let (stop, stopped) = watch::channel(false);
+        // Threshold: 200 x 5 ms = 1 s.
+        let policy = StuckPolicy { intervals: 200, min: Duration::ZERO };
+        let mut supervisor = Supervisor::new(registry.clone(), policy, stopped);
+        let runs = Arc::new(AtomicU64::new(0));
+        let counted = runs.clone();
+        supervisor.every("sink", Duration::from_millis(5), move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+            async { Tick::ReceiverDown }
+        });
+        supervisor.every("failing", Duration::from_millis(5), || async { Tick::Failed });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !registry.report()[1].stuck {
+            assert!(Instant::now() < deadline, "the failing job never became stuck: {:?}", registry.report());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let sink = &registry.report()[0];
+        assert!(!sink.stuck, "{sink:?}");
+        assert_eq!(sink.last_ok_ms_ago, None, "a receiver outage is no success");
+        assert!(runs.load(Ordering::Relaxed) > 1, "the sink was retried");
+        let _ = stop.send(true);
+        supervisor.join().await;
     }
 
     /// A job that panics is started again, counted, and keeps reporting successes.

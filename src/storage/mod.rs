@@ -368,6 +368,19 @@ pub trait Storage: redis_store::RedisStore + crate::webhooks::WebhookStore + Sen
     ) -> Result<Vec<Event>, StorageError>;
     /// Deletes up to `limit` events written before `before_ms`, oldest first; returns how many.
     async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
+    /// The tenants (at most `max_tenants`, in id order) with events the broker sink `sink` has
+    /// not delivered yet, and how many such events there are across all tenants. Reads one row
+    /// per tenant (`event_seqs` beside the cursors), never the events.
+    async fn sink_backlog(&self, sink: &str, max_tenants: u32) -> Result<SinkBacklog, StorageError>;
+    /// Takes the cursor of `sink` for `tenant` (created at 0 if missing) for as long as the
+    /// returned claim lives; `None` when another process holds it now (it is delivering that
+    /// tenant's events). The claim only spares duplicate work: a sink's broker drops a
+    /// republished event by its id, so correctness never rests on it.
+    async fn claim_sink_cursor(
+        &self,
+        sink: &str,
+        tenant: &TenantId,
+    ) -> Result<Option<Box<dyn SinkClaim>>, StorageError>;
     /// Forgets idempotency records created before `before_ms`; returns how many.
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError>;
 
@@ -392,6 +405,27 @@ pub trait Storage: redis_store::RedisStore + crate::webhooks::WebhookStore + Sen
 
     /// Finishes queued writes and closes connections.
     async fn close(&self);
+}
+
+/// What a broker sink has yet to deliver ([`Storage::sink_backlog`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SinkBacklog {
+    /// Tenants with undelivered events, in id order.
+    pub tenants: Vec<TenantId>,
+    /// Undelivered events across every tenant (sequence numbers past the cursors).
+    pub lag: i64,
+}
+
+/// One tenant's cursor of one broker sink, held until [`SinkClaim::advance`] or drop (which
+/// leaves the cursor where it was).
+#[async_trait]
+pub trait SinkClaim: Send {
+    /// The last sequence number delivered (0: none).
+    fn cursor(&self) -> i64;
+    /// Up to `limit` of the tenant's events after the cursor, in sequence order.
+    async fn page(&mut self, limit: u32) -> Result<Vec<Event>, StorageError>;
+    /// Stores `to` as the cursor (a cursor never moves back) and lets the claim go.
+    async fn advance(self: Box<Self>, to: i64) -> Result<(), StorageError>;
 }
 
 /// A plugin upload to store.

@@ -323,6 +323,15 @@ impl TestApp {
         std::fs::write(&self.config_path, config).expect("the config file can be rewritten");
     }
 
+    /// Sets (`Some`) or removes (`None`) an environment variable of the server process; takes
+    /// effect at the next `restart` (e.g. a fault hook for one incarnation only).
+    pub fn set_env(&mut self, name: &str, value: Option<&str>) {
+        self.opts.env.retain(|(k, _)| k != name);
+        if let Some(value) = value {
+            self.opts.env.push((name.to_owned(), value.to_owned()));
+        }
+    }
+
     /// Start the server again on the same directory and database (new port). A process still
     /// running is SIGKILL'd first.
     pub async fn restart(&mut self) {

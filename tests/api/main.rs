@@ -19,6 +19,7 @@ mod helpers;
 mod idempotency;
 mod isolation;
 mod jobs;
+mod nats_sink;
 mod ops;
 mod orders;
 mod plugin_isolation;

@@ -12,6 +12,7 @@ mod events;
 pub mod ops;
 pub mod port;
 pub mod redis_store;
+mod sinks;
 mod webhooks;
 
 use std::str::FromStr;
@@ -31,7 +32,8 @@ use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
-    OrderExecution, OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
+    OrderExecution, OrderJob, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError, TenantRecord,
+    Transition,
 };
 use crate::apply::port::Port;
 use crate::apply::{buckets, reads, reservations, resources};
@@ -530,6 +532,18 @@ impl Storage for PgStorage {
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected())
+    }
+
+    async fn sink_backlog(&self, sink: &str, max_tenants: u32) -> Result<SinkBacklog, StorageError> {
+        sinks::backlog(&self.pool, sink, max_tenants).await
+    }
+
+    async fn claim_sink_cursor(
+        &self,
+        sink: &str,
+        tenant: &TenantId,
+    ) -> Result<Option<Box<dyn SinkClaim>>, StorageError> {
+        Ok(sinks::claim(&self.pool, sink, tenant).await?.map(|claim| Box::new(claim) as Box<dyn SinkClaim>))
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

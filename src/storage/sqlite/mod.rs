@@ -8,6 +8,7 @@ pub mod ops;
 pub mod port;
 pub mod readers;
 pub mod redis_store;
+pub mod sinks;
 mod webhooks;
 pub mod writer;
 
@@ -24,7 +25,8 @@ use self::writer::{Writer, WriterLimits};
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
-    OrderExecution, OrderJob, PluginUpload, PluginVersion, Storage, StorageError, TenantRecord, Transition,
+    OrderExecution, OrderJob, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError, TenantRecord,
+    Transition,
 };
 use crate::apply::port::run_now;
 use crate::apply::{buckets, reads, reservations, resources};
@@ -458,6 +460,25 @@ impl Storage for SqliteStorage {
 
     async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
         self.writer()?.submit(move |conn| ops::purge_events(conn, before_ms, limit)).await
+    }
+
+    async fn sink_backlog(&self, sink: &str, max_tenants: u32) -> Result<SinkBacklog, StorageError> {
+        let sink = sink.to_string();
+        self.readers.snapshot(move |conn| sinks::backlog(conn, &sink, max_tenants)).await
+    }
+
+    async fn claim_sink_cursor(
+        &self,
+        sink: &str,
+        tenant: &TenantId,
+    ) -> Result<Option<Box<dyn SinkClaim>>, StorageError> {
+        let (sink, tenant) = (sink.to_string(), tenant.clone());
+        let cursor = {
+            let (sink, tenant) = (sink.clone(), tenant.clone());
+            self.readers.snapshot(move |conn| sinks::cursor(conn, &sink, tenant.as_str())).await?
+        };
+        let claim = sinks::SqliteClaim { readers: self.readers.clone(), writer: self.writer()?, sink, tenant, cursor };
+        Ok(Some(Box::new(claim)))
     }
 
     async fn purge_idempotency(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
