@@ -106,6 +106,48 @@ impl NewEvent {
     }
 }
 
+/// Counts committed events by type (`stockd_events_written_total`).
+pub fn count_written<'a>(types: impl IntoIterator<Item = &'a str>) {
+    let mut counts: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+    for t in types {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (t, n) in counts {
+        if let Some(t) = EventType::parse(t) {
+            metrics::counter!("stockd_events_written_total", "type" => t.as_str()).increment(n);
+        }
+    }
+}
+
+thread_local! {
+    /// The SQLite writer thread's events of its open transaction: counted once it commits.
+    static UNCOMMITTED: std::cell::RefCell<Vec<EventType>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// An event written on this (the SQLite writer's) thread, counted only if its transaction
+/// commits ([`writer_mark`], [`writer_rollback_to`], [`writer_finished`]).
+pub fn written_now(kind: EventType) {
+    UNCOMMITTED.with(|u| u.borrow_mut().push(kind));
+}
+
+/// Where this thread's uncommitted events stand (before a savepoint).
+pub fn writer_mark() -> usize {
+    UNCOMMITTED.with(|u| u.borrow().len())
+}
+
+/// Forgets the events written since `mark` (their savepoint rolled back).
+pub fn writer_rollback_to(mark: usize) {
+    UNCOMMITTED.with(|u| u.borrow_mut().truncate(mark));
+}
+
+/// Counts this thread's events (`committed`) or forgets them (the transaction failed).
+pub fn writer_finished(committed: bool) {
+    let done = UNCOMMITTED.with(|u| std::mem::take(&mut *u.borrow_mut()));
+    if committed {
+        count_written(done.iter().map(|t| t.as_str()));
+    }
+}
+
 static COMMITS: std::sync::LazyLock<tokio::sync::Notify> = std::sync::LazyLock::new(tokio::sync::Notify::new);
 
 /// Called by a backend after each commit, which may have written events: wakes this process's

@@ -328,7 +328,7 @@ async fn attempt(
         }
     }
     // Last before COMMIT, after every row lock the jobs took (see `events`).
-    super::events::seal(&mut tx).await.map_err(BatchFailure::of)?;
+    let sealed = super::events::seal(&mut tx).await.map_err(BatchFailure::of)?;
     tx.commit().await.map_err(|e| match e {
         // The server answered the COMMIT with an error: the transaction did not commit.
         sqlx::Error::Database(_) => BatchFailure::of(e),
@@ -336,7 +336,9 @@ async fn attempt(
         // again could apply a non-idempotent write twice, so its callers hear `Unavailable`
         // and find out by reading (idempotent requests replay on retry).
         other => BatchFailure::Final(StorageError::Unavailable(format!("commit outcome unknown: {other}"))),
-    })
+    })?;
+    crate::events::count_written(sealed.iter().map(String::as_str));
+    Ok(())
 }
 
 /// Decides the batch's orders together (see [`apply::batch`]), marking those it

@@ -13,10 +13,10 @@ use crate::events::Event;
 use crate::storage::StorageError;
 
 /// Numbers the transaction's unnumbered events (only its own are visible to it: every committed
-/// event has its number). Tenants in one order, so two sealing transactions never wait on each
-/// other in a cycle.
-pub(super) async fn seal(conn: &mut PgConnection) -> Result<u64, sqlx::Error> {
-    let done = sqlx::query(
+/// event has its number) and returns their types. Tenants in one order, so two sealing
+/// transactions never wait on each other in a cycle.
+pub(super) async fn seal(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
         "WITH mine AS (
             SELECT tenant_id, COUNT(*) AS n FROM events WHERE seq IS NULL GROUP BY tenant_id),
          bumped AS (
@@ -28,11 +28,10 @@ pub(super) async fn seal(conn: &mut PgConnection) -> Result<u64, sqlx::Error> {
             SELECT e.id, b.last - m.n + ROW_NUMBER() OVER (PARTITION BY e.tenant_id ORDER BY e.id) AS seq
             FROM events e JOIN mine m ON m.tenant_id = e.tenant_id JOIN bumped b ON b.tenant_id = e.tenant_id
             WHERE e.seq IS NULL)
-         UPDATE events e SET seq = numbered.seq FROM numbered WHERE e.id = numbered.id",
+         UPDATE events e SET seq = numbered.seq FROM numbered WHERE e.id = numbered.id RETURNING e.type",
     )
-    .execute(conn)
-    .await?;
-    Ok(done.rows_affected())
+    .fetch_all(conn)
+    .await
 }
 
 /// The columns [`event`] reads.

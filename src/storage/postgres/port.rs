@@ -823,9 +823,6 @@ impl Port for PgPort<'_> {
                 )));
             }
         }
-        for e in ev {
-            metrics::counter!("stockd_events_written_total", "type" => e.kind.as_str()).increment(1);
-        }
         Ok(())
     }
 
@@ -841,7 +838,6 @@ impl Port for PgPort<'_> {
             .bind(&e.data)
             .execute(&mut *self.conn)
             .await?;
-        metrics::counter!("stockd_events_written_total", "type" => e.kind.as_str()).increment(1);
         Ok(())
     }
 

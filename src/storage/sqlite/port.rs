@@ -668,7 +668,7 @@ impl Port for SqlitePort<'_> {
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
             )?
             .execute(params![new_event_id(), e.tenant, seq, e.kind.as_str(), e.ordering_key, e.at, e.data])?;
-        metrics::counter!("stockd_events_written_total", "type" => e.kind.as_str()).increment(1);
+        crate::events::written_now(e.kind);
         Ok(())
     }
 

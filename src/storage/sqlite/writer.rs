@@ -16,6 +16,7 @@
 //! then takes the next batch. Only if that rollback itself fails does the thread stop, and
 //! `/readyz` then answers 503.
 
+use crate::events;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -183,6 +184,8 @@ fn fill(rx: &mut mpsc::Receiver<Job>, batch: &mut Vec<Job>, limits: WriterLimits
 }
 
 fn commit_batch(conn: &Connection, batch: &mut Vec<Job>) {
+    // Nothing of an earlier transaction is left to count (a panic may have ended one).
+    events::writer_finished(false);
     if let Err(err) = conn.execute_batch("BEGIN IMMEDIATE") {
         tracing::error!(error = %err, "writer could not begin a transaction");
         // Dropping the jobs drops their reply channels: callers get `Unavailable`.
@@ -206,11 +209,13 @@ fn commit_batch(conn: &Connection, batch: &mut Vec<Job>) {
             tracing::error!(error = %err, "writer could not open a savepoint");
             break;
         }
+        let mark = events::writer_mark();
         let (ok, completion) = job(conn);
         completions.push(completion);
         let end = if ok {
             exec(conn, "RELEASE job")
         } else {
+            events::writer_rollback_to(mark);
             exec(conn, "ROLLBACK TO job").and_then(|_| exec(conn, "RELEASE job"))
         };
         if let Err(err) = end {
@@ -224,7 +229,8 @@ fn commit_batch(conn: &Connection, batch: &mut Vec<Job>) {
     faults::maybe_panic(WRITER_JOB);
     match conn.execute_batch("COMMIT") {
         Ok(()) => {
-            crate::events::committed();
+            events::writer_finished(true);
+            events::committed();
             completions.into_iter().for_each(|c| c(Ok(())));
         }
         Err(err) => {
@@ -248,10 +254,14 @@ fn admit_orders(conn: &Connection, orders: Vec<OrderWork>, completions: &mut Vec
     let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&*o.job, o.now_ms)).collect();
     let mut port = SqlitePort::new(conn);
     let wanted = jobs.iter().flat_map(|(job, _)| job.plan.resources().map(|key| (job.tenant.as_str(), key.as_str())));
+    let mark = events::writer_mark();
     let decided = port.admission_rows(wanted).and_then(|rows| run_now(apply::batch::admit(&mut port, &jobs, rows)));
     let closed = match &decided {
         Ok(_) => exec(conn, "RELEASE orders"),
-        Err(_) => exec(conn, "ROLLBACK TO orders").and_then(|_| exec(conn, "RELEASE orders")),
+        Err(_) => {
+            events::writer_rollback_to(mark);
+            exec(conn, "ROLLBACK TO orders").and_then(|_| exec(conn, "RELEASE orders"))
+        }
     };
     let outcomes = match (decided, closed) {
         (Ok(outcomes), Ok(_)) => outcomes,
@@ -285,6 +295,7 @@ fn exec(conn: &Connection, sql: &str) -> rusqlite::Result<usize> {
 }
 
 fn fail_all(conn: &Connection, completions: Vec<Completion>, why: &str) {
+    events::writer_finished(false);
     let _ = conn.execute_batch("ROLLBACK");
     for c in completions {
         c(Err(StorageError::Unavailable(why.to_string())));
