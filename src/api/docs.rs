@@ -17,7 +17,7 @@ use super::{admin, ops, orders, plugins, reservations, resources, warm};
         admin::set_rate_limit, admin::clear_rate_limit,
         resources::create_resource, resources::get_resource, resources::list_resources, resources::patch_resource,
         resources::adjust, resources::ledger, warm::warm,
-        orders::create_order, orders::dry_run,
+        orders::create_order, orders::dry_run, orders::get_order, orders::reverse_order,
         reservations::get_reservation, reservations::confirm, reservations::release, reservations::reconciliation,
         plugins::put_plugin, plugins::get_plugin, plugins::list_versions, plugins::activate,
     ),

@@ -71,6 +71,9 @@ async fn settle_take<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Re
         reservation_id: r.rsv.as_deref(),
         plugin_version: Some(r.pv),
         at: now_ms,
+        line_key: r.lk.as_deref(),
+        limit_key: r.lim.as_deref(),
+        reverses: None,
     };
     let how = if reserve { Move::Reserve } else { Move::Deduct };
     let change = Change { row: Row::Resource, how, gate: Gate::Counters, entry };
@@ -154,6 +157,9 @@ async fn settle_move<P: Port>(
             reservation_id: Some(id),
             plugin_version: None,
             at: now_ms,
+            line_key: reservation.lines.first().map(|l| l.key.as_str()),
+            limit_key: r.lim.as_deref(),
+            reverses: None,
         };
         let how = if to == ReservationState::Confirmed { Move::Confirm } else { Move::Unreserve };
         if port.change(&Change { row: Row::Resource, how, gate: Gate::Counters, entry }).await?.is_none() {

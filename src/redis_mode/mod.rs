@@ -19,6 +19,7 @@
 pub mod control;
 pub mod link;
 pub mod orders;
+pub mod reversals;
 pub mod scripts;
 pub mod soldout;
 
@@ -746,6 +747,7 @@ impl RedisMode {
                 h: String::new(),
                 body: String::new(),
                 lim: limit.clone(),
+                lk: held.lines.first().map(|l| l.key.clone()),
                 pv: 0,
                 at: now_ms,
                 op: Some(op.to_string()),

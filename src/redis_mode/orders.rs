@@ -76,6 +76,7 @@ impl RedisMode {
             h: job.idempotency.request_hash.clone(),
             body: applied.clone(),
             lim: line.limit.as_ref().map(|l| l.key.to_string()),
+            lk: job.order.lines.get(line.line).map(|l| l.key.to_string()),
             pv: job.plan.planner.version,
             at: now,
             op: held.as_ref().map(|_| "reserve".to_string()),

@@ -36,6 +36,9 @@ pub struct SettleRecord {
     pub body: String,
     /// The per-user limit key the deduction counted against, if any.
     pub lim: Option<String>,
+    /// The order line's key as the client sent it (records of this version on), for the ledger.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lk: Option<String>,
     /// The plan's planner version, for the ledger row.
     pub pv: i64,
     /// When Redis acknowledged it (Unix ms).

@@ -32,5 +32,6 @@ mod replays;
 mod reservations;
 mod resources;
 mod retention;
+mod reversals;
 mod tenants;
 mod validation;
