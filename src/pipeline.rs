@@ -272,14 +272,16 @@ impl Pipeline {
             match self.storage.reverse_order(job.clone(), now_ms()).await {
                 Ok(Reversed::Answered(response)) => return Ok(response),
                 Ok(Reversed::NotFound) => return Err(Refusal::OrderNotFound),
-                Ok(Reversed::InRedis { lines, settled_reversed }) => {
+                Ok(Reversed::InRedis { order, resource }) => {
                     let Some(redis) = self.redis.as_deref() else {
                         return self.replayed_or(tenant, &job.idempotency, RedisModeError::NotConfigured.into()).await;
                     };
-                    return match redis.reverse(&job, &lines, &settled_reversed, now_ms()).await {
+                    return match redis.reverse(&job, &order, &resource, now_ms()).await {
                         Ok(response) => Ok(response),
+                        // Redis holds nothing to give back to: the resource may have left redis
+                        // mode without this process knowing; the database is asked.
                         Err(RedisModeError::NotWarmed(_) | RedisModeError::Closed)
-                            if !redis.still_redis(self.storage.as_ref(), tenant, &lines[0].resource).await? =>
+                            if !redis.still_redis(self.storage.as_ref(), tenant, &resource).await? =>
                         {
                             continue
                         }

@@ -39,10 +39,10 @@ pub enum Reversed {
     Answered(Idempotent),
     /// The tenant never applied this order: nothing stored, the key stays free.
     NotFound,
-    /// A line's resource is sold in redis mode: nothing written, the key stays free; redis
-    /// mode gives it back ([`crate::redis_mode`]). The lines as decided from the ledger, and
-    /// what the database has seen reversed of each.
-    InRedis { lines: Vec<LineReversal>, settled_reversed: Vec<i64> },
+    /// The order has a line on a resource sold in redis mode: nothing written, the key stays
+    /// free; redis mode decides and gives it back ([`crate::redis_mode`]). The order as its
+    /// ledger tells it, and that resource.
+    InRedis { order: OrderLedger, resource: String },
 }
 
 /// A new reversal's id: also the request id of its ledger entries.
@@ -85,30 +85,39 @@ pub async fn reverse<P: Port>(port: &mut P, job: &ReversalJob, now_ms: i64) -> R
         port.forget_key(&job.tenant, &job.idempotency).await?;
         return Ok(Reversed::NotFound);
     };
+    // Decided by Redis, whose record of the key a refusal here must not hide.
+    for line in &order.lines {
+        if port.view(tenant, &line.resource).await?.is_some_and(|v| v.mode == Mode::Redis) {
+            port.forget_key(&job.tenant, &job.idempotency).await?;
+            let resource = line.resource.clone();
+            return Ok(Reversed::InRedis { order, resource });
+        }
+    }
     let mut lines = match order.plan(job.lines.as_deref()) {
         Ok(lines) => lines,
         Err(refusal) => return refuse(port, job, &refusal, now_ms).await,
     };
-    for line in &lines {
-        if port.view(tenant, &line.resource).await?.is_some_and(|v| v.mode == Mode::Redis) {
-            port.forget_key(&job.tenant, &job.idempotency).await?;
-            let settled_reversed = lines
-                .iter()
-                .map(|l| order.lines.iter().find(|o| o.resource == l.resource).map_or(0, |o| o.reversed))
-                .collect();
-            return Ok(Reversed::InRedis { lines, settled_reversed });
-        }
-    }
     // One global order (resource, then bucket), so concurrent reversals never wait in a cycle.
     lines.sort_by(|a, b| a.resource.cmp(&b.resource));
     let reversal_id = new_reversal_id();
     port.savepoint(Savepoint::Lines).await?;
     for line in &lines {
-        if let Err(refusal) = give_back(port, tenant, order_id, &reversal_id, line, false, now_ms).await? {
-            port.rollback_to(Savepoint::Lines).await?;
-            port.release(Savepoint::Lines).await?;
-            return refuse(port, job, &refusal, now_ms).await;
+        let Err(shortfall) = give_back(port, tenant, order_id, &reversal_id, line, false, now_ms).await? else {
+            continue;
+        };
+        port.rollback_to(Savepoint::Lines).await?;
+        port.release(Savepoint::Lines).await?;
+        if shortfall == Shortfall::Consumed {
+            return Err(match port.view(tenant, &line.resource).await? {
+                // It entered redis mode after the read: decided again, through Redis.
+                Some(v) if v.mode == Mode::Redis => {
+                    StorageError::RetryLater(format!("{} is sold in redis mode", line.resource))
+                }
+                _ => StorageError::Internal(format!("{} has consumed less than order {order_id} took", line.resource)),
+            });
         }
+        let detail = format!("{}: another reversal of the order came first; read the order again", line.key);
+        return refuse(port, job, &ReversalRefusal::Exceeds(detail), now_ms).await;
     }
     port.release(Savepoint::Lines).await?;
     let document = ReversalDocument::build(order_id, &reversal_id, job.reason.as_deref(), &lines);
@@ -117,6 +126,16 @@ pub async fn reverse<P: Port>(port: &mut P, job: &ReversalJob, now_ms: i64) -> R
     emit_reversed(port, tenant, &document, now_ms).await?;
     events::observe_all(port, tenant, lines.iter().map(|l| l.resource.as_str()), now_ms).await?;
     Ok(Reversed::Answered(Idempotent::Fresh(response)))
+}
+
+/// Why [`give_back`] refused a line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shortfall {
+    /// Other reversals of the order came first: this one no longer fits what it took.
+    Reversed,
+    /// The row refused the change: it consumed less than the order took (or, on the database
+    /// path, it left db mode).
+    Consumed,
 }
 
 /// `order.reversed`, with the reversal's document as its data.
@@ -132,7 +151,7 @@ pub async fn emit_reversed<P: Port>(
 
 /// Gives one line back, bucket by bucket: the guarded count first (the row every reversal of
 /// this order line updates), then the guarded change with its ledger entry, then the per-user
-/// limit. `Err(refusal)`: another reversal came first; the caller rolls the reversal back.
+/// limit. `Err(shortfall)`: refused, the caller rolls the reversal back.
 /// `settling`: a reversal Redis made (its resource is in redis mode, and only the counters may
 /// refuse it).
 pub async fn give_back<P: Port>(
@@ -143,13 +162,10 @@ pub async fn give_back<P: Port>(
     line: &LineReversal,
     settling: bool,
     now_ms: i64,
-) -> Result<Result<(), ReversalRefusal>, StorageError> {
+) -> Result<Result<(), Shortfall>, StorageError> {
     for take in &line.takes {
         if !port.take_reversal(tenant, order_id, &line.resource, take.bucket, take.taken, take.qty, now_ms).await? {
-            return Ok(Err(ReversalRefusal::Exceeds(format!(
-                "{}: another reversal of the order came first; read the order again",
-                line.key
-            ))));
+            return Ok(Err(Shortfall::Reversed));
         }
         let entry = Entry {
             tenant,
@@ -175,12 +191,7 @@ pub async fn give_back<P: Port>(
             (Row::Resource, Gate::Order { kind: None })
         };
         if port.change(&Change { row, how: Move::Reverse, gate, entry }).await?.is_none() {
-            return Err(match port.view(tenant, &line.resource).await? {
-                Some(v) if v.mode == Mode::Redis => {
-                    StorageError::RetryLater(format!("{} is sold in redis mode", line.resource))
-                }
-                _ => StorageError::Internal(format!("{} has consumed less than order {order_id} took", line.resource)),
-            });
+            return Ok(Err(Shortfall::Consumed));
         }
     }
     if let Some(limit) = &line.limit_key {

@@ -199,6 +199,7 @@ pub struct RedisMode {
     abandoned: Script,
     load: Script,
     forget: Script,
+    reverse: Script,
     /// The redis-mode resources, as last read from the database (and changed by this process).
     modes: RwLock<HashSet<(String, String)>>,
     pub sold_out: soldout::SoldOut,
@@ -235,6 +236,7 @@ impl RedisMode {
             abandoned: Script::new(scripts::ABANDONED),
             load: Script::new(scripts::LOAD),
             forget: Script::new(scripts::FORGET),
+            reverse: Script::new(scripts::REVERSE),
             modes: RwLock::new(HashSet::new()),
             sold_out: soldout::SoldOut::default(),
             consumer: format!("stockd-{}", ulid::Ulid::new()),
@@ -271,6 +273,11 @@ impl RedisMode {
 
     fn deadlines_key(&self, tenant: &str, key: &str) -> String {
         format!("{}:e", self.base(tenant, key))
+    }
+
+    /// What each order has had reversed here (see [`scripts::REVERSE`]).
+    fn reversals_key(&self, tenant: &str, key: &str) -> String {
+        format!("{}:rv", self.base(tenant, key))
     }
 
     /// Which resource a reservation made in Redis belongs to (its own slot: written after the
@@ -645,6 +652,7 @@ impl RedisMode {
             .key(self.limits_key(tenant, key))
             .key(self.reservations_key(tenant, key))
             .key(self.deadlines_key(tenant, key))
+            .key(self.reversals_key(tenant, key))
             .arg(epoch)
             .arg(FORGOTTEN_MARKER_S);
         let mut conn = self.link.conn().await?;
@@ -754,6 +762,8 @@ impl RedisMode {
                 rsv: Some(id.to_string()),
                 exp: None,
                 lines: None,
+                tk: None,
+                rv: None,
                 c: None,
             })
             .map_err(|e| RedisModeError::Reply(e.to_string()))

@@ -83,6 +83,8 @@ impl RedisMode {
             rsv: held.as_ref().map(|r| r.id.clone()),
             exp: held.as_ref().map(|r| r.expires_at.0),
             lines,
+            tk: None,
+            rv: None,
             c: None,
         };
         // Only the identity travels: the status and body the script chose go beside it.

@@ -338,6 +338,48 @@ async fn a_redis_mode_order_is_reversed_through_redis_and_settled_once() {
     shop.order("k-2", &deduct_one("ORD-Y", "sku-x", 9, None)).await.expect_json(201);
 }
 
+/// Proves concurrent reversals of a redis-mode order never exceed its take (Redis keeps the
+/// order's count, settled or not), and that a redis-mode reversal gives the per-user limit back
+/// in Redis: the flash sale's one piece per user may be bought again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_reversals_of_a_redis_mode_order_never_exceed_its_take_and_free_the_limit() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-z", 20).await;
+    shop.order("k-1", &deduct_one("ORD-Z", "sku-z", 5, None)).await.expect_json(201);
+    poll(SETTLE_DEADLINE, || async { (shop.get("/v1/orders/ORD-Z").await.status() == 200).then_some(()) }).await;
+
+    let barrier = Arc::new(Barrier::new(16));
+    let clients = (0..16).map(|client| {
+        let (shop, barrier) = (shop.clone(), barrier.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            reverse(&shop, "ORD-Z", &format!("z-{client}"), &lines(&[("sku-z", 1)])).await
+        })
+    });
+    let replies: Vec<Reply> = join_all(clients).await.into_iter().map(|r| r.expect("client task")).collect();
+    let statuses: Vec<u16> = replies.iter().map(Reply::status).collect();
+    assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 5, "{statuses:?}");
+    assert_eq!(statuses.iter().filter(|s| **s == 409).count(), 11, "{statuses:?}");
+    let state = poll(SETTLE_DEADLINE, || async {
+        let state = shop.state("sku-z").await;
+        (state["consumed"] == 0).then_some(state)
+    })
+    .await;
+    assert_counts(&state, 20, 0, 0, 20);
+    assert_eq!(line(&shop.get("/v1/orders/ORD-Z").await.expect_json(200), "sku-z")["reversed"], 5);
+    let report = reconciliation(&shop).await;
+    assert_eq!((&report["drift"], &redis_entry(&report, "sku-z")["drift"]), (&json!([]), &json!(0)), "{report}");
+
+    shop.put_plugin_config(plugin_wasm("flash-sale"), "buckets = 1").await.expect_json(201);
+    let buy = |order: &str| json!({"order_id": order, "user_id": "u-1", "action": "deduct", "lines": [{"key": "sku-z", "qty": 1}]});
+    shop.order("f-1", &buy("F-1")).await.expect_json(201);
+    assert_eq!(shop.order("f-2", &buy("F-2")).await.expect_json(409)["lines"][0]["reason"], "limit_exceeded");
+    poll(SETTLE_DEADLINE, || async { (shop.get("/v1/orders/F-1").await.status() == 200).then_some(()) }).await;
+    reverse(&shop, "F-1", "f-rev", &json!({})).await.expect_json(201);
+    shop.order("f-3", &buy("F-3")).await.expect_json(201);
+}
+
 /// Polls `probe` until it yields, failing after `deadline`.
 async fn poll<T, F, Fut>(deadline: Duration, probe: F) -> T
 where
