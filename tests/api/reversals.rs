@@ -380,6 +380,22 @@ async fn racing_reversals_of_a_redis_mode_order_never_exceed_its_take_and_free_t
     shop.order("f-3", &buy("F-3")).await.expect_json(201);
 }
 
+/// Proves `stockd bench --scenarios deduct-reverse` (each order deducts 2, then reverses 1)
+/// runs and its invariants hold: consumed equals what the acknowledged orders took minus what
+/// the acknowledged reversals gave back, and reconciliation finds no drift.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deduct_reverse_bench_scenario_holds_its_invariants() {
+    let (stdout, report) =
+        crate::bench::bench(&["--clients", "4", "--duration-secs", "1", "--scenarios", "deduct-reverse"]).await;
+    let row = report
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["scenario"] == "deduct-reverse"))
+        .unwrap_or_else(|| panic!("the report has a deduct-reverse row: {report}\n{stdout}"));
+    assert_eq!(row["invariants_ok"], true, "{row}");
+    assert!(row["ok"].as_u64().is_some_and(|ok| ok >= 2), "{row}");
+    assert_eq!(row["rejections"], json!({}), "{row}");
+}
+
 /// Polls `probe` until it yields, failing after `deadline`.
 async fn poll<T, F, Fut>(deadline: Duration, probe: F) -> T
 where
