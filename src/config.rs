@@ -46,6 +46,67 @@ pub struct EventsConfig {
     pub max_waiting_per_tenant: usize,
     /// How often a waiting poll looks again for events other processes committed.
     pub poll_interval_ms: u64,
+    /// `[events.webhooks]`: delivery to tenants' endpoints (docs/WEBHOOKS.md).
+    pub webhooks: WebhooksConfig,
+}
+
+/// Webhook delivery (docs/WEBHOOKS.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WebhooksConfig {
+    /// Whether this process runs the delivery job (the API works either way).
+    pub enabled: bool,
+    /// Allow targets in loopback, private, link-local and other non-public ranges. Off: a tenant
+    /// must not reach the operator's network (SSRF). Tests and private deployments turn it on.
+    pub allow_private_targets: bool,
+    /// Endpoints one tenant may register.
+    pub max_endpoints_per_tenant: usize,
+    /// Longest endpoint description, in characters.
+    pub max_description_chars: usize,
+    /// How long after its first failed attempt a delivery is retried; then the endpoint is
+    /// `failing` (nothing more is sent to it until a redeliver call; the feed keeps the events).
+    pub retry_window_seconds: u64,
+    /// Delay before the first retry; it doubles with each failure (with jitter)...
+    pub retry_initial_ms: u64,
+    /// ...up to this.
+    pub retry_max_ms: u64,
+    /// Time limit of one delivery request (connect included).
+    pub request_timeout_ms: u64,
+    /// Deliveries in flight at once in this process.
+    pub max_concurrency: usize,
+    /// How often the job looks for new events and due retries (this process's own commits
+    /// wake it sooner).
+    pub poll_interval_ms: u64,
+    /// Deliveries claimed, and events scanned per endpoint, per pass.
+    pub batch: u32,
+    /// Most deliveries queued for one endpoint; past it, its cursor waits (bounds the queue
+    /// of a receiver that is down).
+    pub max_pending_per_endpoint: u32,
+    /// How long the previous secret still signs after a rotation, unless the call says.
+    pub rotation_grace_seconds: u64,
+    /// How long the deliveries log (`GET /v1/webhooks/{id}/deliveries`) keeps an attempt.
+    pub attempts_retention_hours: u64,
+}
+
+impl Default for WebhooksConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            allow_private_targets: false,
+            max_endpoints_per_tenant: 16,
+            max_description_chars: 500,
+            retry_window_seconds: 86_400,
+            retry_initial_ms: 5_000,
+            retry_max_ms: 3_600_000,
+            request_timeout_ms: 10_000,
+            max_concurrency: 32,
+            poll_interval_ms: 500,
+            batch: 100,
+            max_pending_per_endpoint: 10_000,
+            rotation_grace_seconds: 86_400,
+            attempts_retention_hours: 72,
+        }
+    }
 }
 
 impl Default for EventsConfig {
@@ -56,6 +117,7 @@ impl Default for EventsConfig {
             max_wait_seconds: 25,
             max_waiting_per_tenant: 16,
             poll_interval_ms: 500,
+            webhooks: WebhooksConfig::default(),
         }
     }
 }
@@ -546,6 +608,16 @@ impl Config {
             ("events.purge_interval_seconds", self.events.purge_interval_seconds),
             ("events.max_waiting_per_tenant", self.events.max_waiting_per_tenant as u64),
             ("events.poll_interval_ms", self.events.poll_interval_ms),
+            ("events.webhooks.max_endpoints_per_tenant", self.events.webhooks.max_endpoints_per_tenant as u64),
+            ("events.webhooks.retry_window_seconds", self.events.webhooks.retry_window_seconds),
+            ("events.webhooks.retry_initial_ms", self.events.webhooks.retry_initial_ms),
+            ("events.webhooks.retry_max_ms", self.events.webhooks.retry_max_ms),
+            ("events.webhooks.request_timeout_ms", self.events.webhooks.request_timeout_ms),
+            ("events.webhooks.max_concurrency", self.events.webhooks.max_concurrency as u64),
+            ("events.webhooks.poll_interval_ms", self.events.webhooks.poll_interval_ms),
+            ("events.webhooks.batch", u64::from(self.events.webhooks.batch)),
+            ("events.webhooks.max_pending_per_endpoint", u64::from(self.events.webhooks.max_pending_per_endpoint)),
+            ("events.webhooks.attempts_retention_hours", self.events.webhooks.attempts_retention_hours),
             ("idempotency.purge_interval_seconds", self.idempotency.purge_interval_seconds),
             ("reservations.sweep_interval_ms", self.reservations.sweep_interval_ms),
             ("reservations.sweep_batch", u64::from(self.reservations.sweep_batch)),
@@ -604,6 +676,13 @@ impl Config {
         }
         if self.plugins.plan_timeout_ms >= self.server.request_timeout_ms {
             bail!("plugins.plan_timeout_ms must be less than server.request_timeout_ms");
+        }
+        let hooks = &self.events.webhooks;
+        if hooks.batch > 10_000 || hooks.max_concurrency > 10_000 || hooks.max_endpoints_per_tenant > 10_000 {
+            bail!("events.webhooks.batch, max_concurrency and max_endpoints_per_tenant must be at most 10000");
+        }
+        if hooks.retry_initial_ms > hooks.retry_max_ms {
+            bail!("events.webhooks.retry_initial_ms must not exceed retry_max_ms");
         }
         if self.orders.max_lines > 1000 {
             bail!("orders.max_lines must be at most 1000");

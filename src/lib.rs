@@ -11,6 +11,7 @@
 //!   a backend is SQL text and plumbing behind [`apply::port::Port`].
 //! - [`redis_mode`]: redis mode (flash sales): Lua pre-deduction, stream write-behind, sold-out.
 //! - [`events`]: the transactional outbox: event types, the feed, webhooks, the broker sink.
+//! - [`webhooks`]: delivery of the outbox to tenants' receivers (Standard Webhooks, SSRF-guarded).
 //! - [`jobs`]: reservation expiry, reconciliation, idempotency purge, Redis settlement.
 //! - [`plugin`]: tenant planning plugins (WebAssembly components) run by wasmtime.
 //! - [`auth`]: API keys and the admin token (hashed, constant-time).
@@ -36,3 +37,4 @@ pub mod startup;
 pub mod storage;
 pub mod telemetry;
 pub mod time;
+pub mod webhooks;

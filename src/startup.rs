@@ -252,6 +252,10 @@ pub async fn run(
     };
     let mut jobs = Supervisor::new(state.jobs.clone(), policy, jobs_stopped);
     jobs::spawn(&mut jobs, storage.clone(), job_settings);
+    if config.events.webhooks.enabled {
+        let settings = crate::webhooks::delivery::DeliverySettings::from_config(&config.events);
+        crate::webhooks::delivery::spawn(&mut jobs, storage.clone(), settings);
+    }
     if let Some(hot) = &state.redis {
         // Know the redis-mode resources before the first request (best effort: the settlement
         // loop reads them again every second).

@@ -6,7 +6,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{Content, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
-use super::{admin, ops, orders, plugins, reservations, resources, warm};
+use super::{admin, events, ops, orders, plugins, reservations, resources, warm, webhooks};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -20,6 +20,9 @@ use super::{admin, ops, orders, plugins, reservations, resources, warm};
         orders::create_order, orders::dry_run, orders::get_order, orders::reverse_order,
         reservations::get_reservation, reservations::confirm, reservations::release, reservations::reconciliation,
         plugins::put_plugin, plugins::get_plugin, plugins::list_versions, plugins::activate,
+        events::events,
+        webhooks::create_webhook, webhooks::list_webhooks, webhooks::get_webhook, webhooks::delete_webhook,
+        webhooks::rotate_secret, webhooks::list_deliveries, webhooks::redeliver,
     ),
     components(schemas(crate::problem::Problem)),
     modifiers(&Security, &RateLimited),
@@ -27,8 +30,10 @@ use super::{admin, ops, orders, plugins, reservations, resources, warm};
         (name = "orders", description = "Deduct or reserve several lines at once"),
         (name = "resources", description = "Consumable counters and their ledgers"),
         (name = "reservations", description = "Held stock: confirm, release, expiry"),
+        (name = "webhooks", description = "Signed delivery of the tenant's events to its HTTP endpoints"),
         (name = "plugins", description = "The tenant's planning plugin (WebAssembly component)"),
         (name = "admin", description = "Tenants and API keys (admin token)"),
+        (name = "events", description = "The tenant's event feed (transactional outbox)"),
     )
 )]
 pub struct ApiDoc;

@@ -83,12 +83,14 @@ impl Waiting {
             return None;
         }
         *n += 1;
+        metrics::gauge!("stockd_event_polls_waiting").increment(1.0);
         Some(Waiting(tenant.clone()))
     }
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
+        metrics::gauge!("stockd_event_polls_waiting").decrement(1.0);
         let mut waiting = WAITING.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(n) = waiting.get_mut(&self.0) {
             *n = n.saturating_sub(1);

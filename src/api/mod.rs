@@ -14,6 +14,7 @@ pub mod plugins;
 pub mod reservations;
 pub mod resources;
 pub mod warm;
+pub mod webhooks;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -78,6 +79,7 @@ pub fn router(state: SharedState) -> Router {
         .merge(reservations::routes())
         .merge(warm::routes())
         .merge(events::routes())
+        .merge(webhooks::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))

@@ -78,7 +78,7 @@ pub async fn observe_stock<P: Port>(port: &mut P, tenant: &str, key: &str, now_m
     if band == stock.band {
         return Ok(());
     }
-    for &kind in stock.band.crossing(band) {
+    for &kind in stock.band.crossing(band, stock.low_stock) {
         let mut data = json!({"key": key, "available": stock.available});
         if let Some(threshold) = stock.low_stock {
             data["low_stock"] = json!(threshold);

@@ -79,12 +79,11 @@ impl std::fmt::Display for EventType {
     }
 }
 
-/// An event to write with the change that caused it. Its sequence number is assigned by the
-/// backend when the transaction commits.
+/// An event to write with the change that caused it. Its id is made when it is written
+/// ([`new_event_id`], so ids follow the order of writing) and its sequence number when the
+/// transaction commits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewEvent {
-    /// `evt_<ULID>`.
-    pub id: String,
     pub tenant: String,
     pub kind: EventType,
     /// Deliveries keep sequence order among events with the same one: `resource:<key>` for a
@@ -98,12 +97,12 @@ pub struct NewEvent {
 
 impl NewEvent {
     pub fn new(tenant: &str, kind: EventType, ordering_key: String, at: i64, data: &serde_json::Value) -> Self {
-        Self { id: new_event_id(), tenant: tenant.to_string(), kind, ordering_key, at, data: data.to_string() }
+        Self { tenant: tenant.to_string(), kind, ordering_key, at, data: data.to_string() }
     }
 
     /// An event whose payload is already JSON text (a stored order document).
     pub fn raw(tenant: &str, kind: EventType, ordering_key: String, at: i64, data: String) -> Self {
-        Self { id: new_event_id(), tenant: tenant.to_string(), kind, ordering_key, at, data }
+        Self { tenant: tenant.to_string(), kind, ordering_key, at, data }
     }
 }
 
@@ -121,7 +120,8 @@ pub fn next_commit() -> tokio::sync::futures::Notified<'static> {
 }
 
 /// Event ids in the order this process makes them (a ULID's random part is not ordered within
-/// a millisecond): the PostgreSQL backend numbers a transaction's events in id order.
+/// a millisecond). A backend makes an event's id as it writes it, so a transaction's events are
+/// in id order as they were written: the PostgreSQL backend numbers them in that order.
 pub fn new_event_id() -> String {
     static IDS: std::sync::Mutex<Option<ulid::Generator>> = std::sync::Mutex::new(None);
     let mut guard = IDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -169,12 +169,16 @@ impl StockBand {
         }
     }
 
-    /// The events a move from `self` to `to` emits, in order: falling under the threshold
+    /// The events a move from `self` to `to` emits, in order: falling to a threshold
     /// (`low_stock`) comes before reaching 0 (`sold_out`); leaving 0 is `restocked`.
-    pub fn crossing(self, to: StockBand) -> &'static [EventType] {
+    pub fn crossing(self, to: StockBand, threshold: Option<i64>) -> &'static [EventType] {
         match (self, to) {
             (StockBand::Ok, StockBand::Low) => &[EventType::ResourceLowStock],
-            (StockBand::Ok, StockBand::Out) => &[EventType::ResourceLowStock, EventType::ResourceSoldOut],
+            // Falling past a threshold above 0 on the way to 0 crosses it too.
+            (StockBand::Ok, StockBand::Out) if threshold.is_some_and(|t| t > 0) => {
+                &[EventType::ResourceLowStock, EventType::ResourceSoldOut]
+            }
+            (StockBand::Ok, StockBand::Out) => &[EventType::ResourceSoldOut],
             (StockBand::Low, StockBand::Out) => &[EventType::ResourceSoldOut],
             (StockBand::Out, StockBand::Low | StockBand::Ok) => &[EventType::ResourceRestocked],
             _ => &[],
@@ -247,6 +251,24 @@ mod tests {
             assert_eq!(serde_json::to_value(t).unwrap(), serde_json::Value::from(t.as_str()));
         }
         assert_eq!(EventType::parse("order.nope"), None);
+    }
+
+    #[test]
+    fn stock_bands_and_their_crossings() {
+        use EventType::*;
+        assert_eq!(StockBand::of(0, None), StockBand::Out);
+        assert_eq!(StockBand::of(1, None), StockBand::Ok);
+        assert_eq!(StockBand::of(2, Some(2)), StockBand::Low);
+        assert_eq!(StockBand::of(3, Some(2)), StockBand::Ok);
+        assert_eq!(StockBand::of(0, Some(0)), StockBand::Out);
+        assert_eq!(StockBand::Ok.crossing(StockBand::Out, None), [ResourceSoldOut]);
+        assert_eq!(StockBand::Ok.crossing(StockBand::Out, Some(0)), [ResourceSoldOut]);
+        assert_eq!(StockBand::Ok.crossing(StockBand::Out, Some(3)), [ResourceLowStock, ResourceSoldOut]);
+        assert_eq!(StockBand::Ok.crossing(StockBand::Low, Some(3)), [ResourceLowStock]);
+        assert_eq!(StockBand::Low.crossing(StockBand::Out, Some(3)), [ResourceSoldOut]);
+        assert_eq!(StockBand::Out.crossing(StockBand::Low, Some(3)), [ResourceRestocked]);
+        assert_eq!(StockBand::Out.crossing(StockBand::Ok, None), [ResourceRestocked]);
+        assert!(StockBand::Low.crossing(StockBand::Ok, Some(3)).is_empty());
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod redis_store;
 pub mod rows;
 pub mod rules;
 pub mod sqlite;
+pub mod webhooks;
 
 use std::sync::Arc;
 
@@ -247,7 +248,7 @@ pub struct OrderExecution {
 pub const CHECKPOINTS_PER_WRITE: usize = 5_000;
 
 #[async_trait]
-pub trait Storage: redis_store::RedisStore + Send + Sync + 'static {
+pub trait Storage: redis_store::RedisStore + crate::webhooks::WebhookStore + Send + Sync + 'static {
     /// Storage is reachable and migrated.
     async fn ready(&self) -> Result<(), StorageError>;
 

@@ -379,6 +379,31 @@ async fn assert_exactly_once(setup: &Setup, outcomes: &[KeyOutcome]) {
     assert_eq!(after.len(), in_ledger.len() + applied_now, "resending unacknowledged keys applied each at most once");
     assert_eq!(after, sent.iter().map(|k| k.to_string()).collect::<HashSet<_>>(), "every key sent is applied once");
     shops[1 % shops.len()].assert_reconciliation_clean(SKUS.len() as u64).await;
+    assert_one_event_per_order(&shops[0], &after).await;
+}
+
+/// The outbox through the faults: exactly one `order.applied` per applied order (none for a
+/// batch that rolled back, none lost for one that committed), numbered 1, 2, 3, ... in the feed.
+async fn assert_one_event_per_order(shop: &Api, applied: &HashSet<String>) {
+    let (mut seqs, mut orders, mut after) = (Vec::new(), Vec::new(), 0);
+    loop {
+        let page = shop.get(&format!("/v1/events?after={after}&limit=1000")).await.expect_json(200);
+        let items = page["items"].as_array().cloned().unwrap_or_default();
+        if items.is_empty() {
+            break;
+        }
+        after = page["next_after"].as_i64().unwrap_or_else(|| panic!("next_after is a number: {page}"));
+        for e in items {
+            seqs.push(e["seq"].as_i64().unwrap_or(-1));
+            if e["type"] == "order.applied" {
+                orders.push(e["data"]["order_id"].as_str().unwrap_or_default().to_owned());
+            }
+        }
+    }
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "the feed is numbered without gaps");
+    let distinct: HashSet<String> = orders.iter().cloned().collect();
+    assert_eq!(distinct.len(), orders.len(), "no order.applied twice");
+    assert_eq!(&distinct, applied, "one order.applied per applied order");
 }
 
 /// The order ids deducted from `SKUS`, asserting each ledger replays to its state, no order is

@@ -12,6 +12,7 @@ mod events;
 pub mod ops;
 pub mod port;
 pub mod redis_store;
+mod webhooks;
 
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};

@@ -23,7 +23,7 @@ use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
     ResourceStatus, TenantId, MAX_TOTAL,
 };
-use crate::events::{NewEvent, Stock, StockBand};
+use crate::events::{new_event_id, NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
@@ -820,7 +820,7 @@ impl Port for PgPort<'_> {
         .bind(col(o, |x| i32::from(x.response.status)))
         .bind(col(o, |x| x.response.content_type.as_str()))
         .bind(col(o, |x| x.response.body.clone()))
-        .bind(col(ev, |x| x.id.clone()))
+        .bind(ev.iter().map(|_| new_event_id()).collect::<Vec<_>>())
         .bind(col(ev, |x| x.tenant.clone()))
         .bind(col(ev, |x| x.kind.as_str()))
         .bind(col(ev, |x| x.ordering_key.clone()))
@@ -856,7 +856,7 @@ impl Port for PgPort<'_> {
     /// ([`super::events::seal`]), so a tenant's events commit in sequence order.
     async fn emit(&mut self, e: &NewEvent) -> Result<(), StorageError> {
         sqlx::query("INSERT INTO events (id, tenant_id, type, ordering_key, at, data) VALUES ($1, $2, $3, $4, $5, $6)")
-            .bind(&e.id)
+            .bind(new_event_id())
             .bind(&e.tenant)
             .bind(e.kind.as_str())
             .bind(&e.ordering_key)

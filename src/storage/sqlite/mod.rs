@@ -8,6 +8,7 @@ pub mod ops;
 pub mod port;
 pub mod readers;
 pub mod redis_store;
+mod webhooks;
 pub mod writer;
 
 use std::path::{Path, PathBuf};

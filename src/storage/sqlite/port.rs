@@ -19,7 +19,7 @@ use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
     ResourceStatus, TenantId, MAX_TOTAL,
 };
-use crate::events::{NewEvent, Stock, StockBand};
+use crate::events::{new_event_id, NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL, STORED_OUTCOME_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
@@ -684,7 +684,7 @@ impl Port for SqlitePort<'_> {
                 "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
             )?
-            .execute(params![e.id, e.tenant, seq, e.kind.as_str(), e.ordering_key, e.at, e.data])?;
+            .execute(params![new_event_id(), e.tenant, seq, e.kind.as_str(), e.ordering_key, e.at, e.data])?;
         metrics::counter!("stockd_events_written_total", "type" => e.kind.as_str()).increment(1);
         Ok(())
     }
