@@ -26,9 +26,11 @@
 
 use std::sync::Arc;
 
+use crate::apply::reversals::{ReversalJob, Reversed};
 use crate::engine::order::OrderBody;
+use crate::engine::reversal::ReversalBody;
 use crate::engine::{
-    InvalidValue, LineResult, Mode, OrderDocument, OrderStatus, Plan, ReservationState, ResourceKey, TenantId,
+    InvalidValue, LineResult, Mode, OrderDocument, OrderId, OrderStatus, Plan, ReservationState, ResourceKey, TenantId,
     MAX_LINE_QTY,
 };
 use crate::plugin::{PlanFailure, Registry};
@@ -60,6 +62,9 @@ pub enum Refusal {
     /// The resource the request names does not exist (for this tenant).
     #[error("no such resource")]
     ResourceNotFound,
+    /// The order the request names was never applied (by this tenant).
+    #[error("no such order")]
+    OrderNotFound,
 }
 
 impl Refusal {
@@ -240,6 +245,55 @@ impl Pipeline {
             None => RedisModeError::NotConfigured,
         };
         self.replayed_or(tenant, &idempotency, refusal.into()).await
+    }
+
+    /// Reverses (part of) an order: consumed back to available on the resources and buckets it
+    /// took from (docs/API.md, "Order lookup and reversals"). Decided on the database path,
+    /// which reads the order from its ledger; a line sold in redis mode is given back through
+    /// Redis. A resource whose mode moves meanwhile makes the reversal decide again.
+    pub async fn reverse(
+        &self,
+        tenant: &TenantId,
+        idempotency: IdempotencyRequest,
+        order_id: OrderId,
+        body: ReversalBody,
+    ) -> Result<Idempotent, Refusal> {
+        if let Err((field, reason)) = body.validate(self.orders.max_lines) {
+            return self.replayed_or(tenant, &idempotency, Refusal::Invalid { field, reason }).await;
+        }
+        let job = Arc::new(ReversalJob {
+            tenant: tenant.clone(),
+            idempotency,
+            order_id,
+            lines: body.lines,
+            reason: body.reason,
+        });
+        for _ in 0..MODE_ATTEMPTS {
+            match self.storage.reverse_order(job.clone(), now_ms()).await {
+                Ok(Reversed::Answered(response)) => return Ok(response),
+                Ok(Reversed::NotFound) => return Err(Refusal::OrderNotFound),
+                Ok(Reversed::InRedis { order, resource }) => {
+                    let Some(redis) = self.redis.as_deref() else {
+                        return self.replayed_or(tenant, &job.idempotency, RedisModeError::NotConfigured.into()).await;
+                    };
+                    return match redis.reverse(&job, &order, &resource, now_ms()).await {
+                        Ok(response) => Ok(response),
+                        // Redis holds nothing to give back to: the resource may have left redis
+                        // mode without this process knowing; the database is asked.
+                        Err(RedisModeError::NotWarmed(_) | RedisModeError::Closed)
+                            if !redis.still_redis(self.storage.as_ref(), tenant, &resource).await? =>
+                        {
+                            continue
+                        }
+                        Err(refused) => self.replayed_or(tenant, &job.idempotency, refused.into()).await,
+                    };
+                }
+                // A resource entered redis mode between the read and the change: decide again.
+                Err(StorageError::RetryLater(_)) => continue,
+                Err(err) => return Err(err.into()),
+            }
+        }
+        self.replayed_or(tenant, &job.idempotency, RedisModeError::Superseded.into()).await
     }
 
     /// Confirms or releases a reservation (made in Redis or on the database path).

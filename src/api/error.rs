@@ -119,6 +119,7 @@ impl From<crate::pipeline::Refusal> for ApiError {
             Refusal::ResourceNotFound => {
                 ApiError::not_found("resource_not_found", "Resource not found", "no such resource")
             }
+            Refusal::OrderNotFound => ApiError::not_found("order_not_found", "Order not found", "no such order"),
         }
     }
 }

@@ -1,8 +1,9 @@
-//! Orders: deduct or reserve several lines at once, idempotently; and the dry run.
+//! Orders: deduct or reserve several lines at once, idempotently; the dry run; an order as the
+//! ledger knows it, and its reversals.
 
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::response::Response;
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -11,10 +12,19 @@ use super::error::ApiError;
 use super::extract::{IdemKey, Tenant, ValidJson};
 use super::{idempotent_response, SharedState};
 use crate::engine::order::OrderBody;
-use crate::engine::{LineResult, OrderDocument, OrderStatus, Plan};
+use crate::engine::reversal::{OrderLedger, ReversalBody, ReversalDocument};
+use crate::engine::{LineResult, OrderDocument, OrderId, OrderStatus, Plan};
 
 pub fn routes() -> Router<SharedState> {
-    Router::new().route("/v1/orders", post(create_order)).route("/v1/orders/dry-run", post(dry_run))
+    Router::new()
+        .route("/v1/orders", post(create_order))
+        .route("/v1/orders/dry-run", post(dry_run))
+        .route("/v1/orders/{order_id}", get(get_order))
+        .route("/v1/orders/{order_id}/reversals", post(reverse_order))
+}
+
+fn order_not_found() -> ApiError {
+    ApiError::not_found("order_not_found", "Order not found", "no such order")
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -84,4 +94,63 @@ pub async fn dry_run(
 ) -> Result<Json<DryRun>, ApiError> {
     let (plan, outcome) = state.pipeline.dry_run(&auth.tenant, body.value).await?;
     Ok(Json(DryRun { plan, outcome }))
+}
+
+/// The order as stockd knows it from its ledger: per line, its resource (and buckets), what was
+/// deducted or confirmed, what is held, released and reversed, and what is still reversible.
+#[utoipa::path(get, path = "/v1/orders/{order_id}", tag = "orders", security(("api_key" = [])),
+    params(("order_id" = String, Path, description = "the order id the orders were sent with")),
+    responses(
+        (status = 200, body = OrderLedger),
+        (status = 404, description = "order_not_found: this tenant never applied the order", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "unavailable", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn get_order(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+    Path(order_id): Path<String>,
+) -> Result<Json<OrderLedger>, ApiError> {
+    // An id no order may have is an order this tenant never applied.
+    let order_id = OrderId::parse(order_id).map_err(|_| order_not_found())?;
+    state.storage.get_order(&auth.tenant, &order_id).await?.map(Json).ok_or_else(order_not_found)
+}
+
+/// Gives (part of) an order back: consumed to available on the resources and buckets it took
+/// from, with the per-user limit units it used. Requires `Idempotency-Key`; a retry returns the
+/// first outcome with `Idempotent-Replayed: true`.
+#[utoipa::path(post, path = "/v1/orders/{order_id}/reversals", tag = "orders", request_body = ReversalBody,
+    security(("api_key" = [])),
+    params(
+        ("order_id" = String, Path, description = "the order id the orders were sent with"),
+        ("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters"),
+    ),
+    responses(
+        (status = 201, description = "reversed", body = ReversalDocument),
+        (status = 400, description = "validation_failed / idempotency_key_missing", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "order_not_found: nothing applied, nothing stored", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "exceeds_reversible / reservation_held: nothing applied; a stored outcome", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "idempotency_key_mismatch / redis_order_unsupported", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "unavailable / redis_not_warmed: nothing applied", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn reverse_order(
+    Tenant(auth): Tenant,
+    IdemKey(key): IdemKey,
+    State(state): State<SharedState>,
+    Path(order_id): Path<String>,
+    body: ValidJson<ReversalBody>,
+) -> Result<Response, ApiError> {
+    let idempotency = body.idempotency(key);
+    let Ok(order_id) = OrderId::parse(order_id) else {
+        // Never applied; but a key answered before keeps its answer (or its mismatch).
+        return match state.storage.stored_outcome(&auth.tenant, &idempotency).await {
+            Ok(Some(previous)) => Ok(idempotent_response(previous)),
+            Ok(None) | Err(_) => Err(order_not_found()),
+        };
+    };
+    let outcome = state.pipeline.reverse(&auth.tenant, idempotency, order_id, body.value).await?;
+    if let crate::storage::Idempotent::Fresh(response) = &outcome {
+        let result = if response.status == 201 { "reversed" } else { "refused" };
+        metrics::counter!("stockd_reversals_total", "result" => result).increment(1);
+    }
+    Ok(idempotent_response(outcome))
 }

@@ -77,9 +77,17 @@ pub async fn admit<P: Port>(
         for change in &admitted.changes {
             changed_at.insert((job.tenant.to_string(), change.resource.clone()), now_ms);
             let [available, reserved, consumed] = change.after;
+            let line_key = job
+                .plan
+                .lines
+                .get(change.line)
+                .and_then(|p| job.order.lines.get(p.line))
+                .map(|l| l.key.to_string())
+                .unwrap_or_default();
             writes.ledger.push(LedgerRow {
                 tenant: job.tenant.to_string(),
                 resource: change.resource.clone(),
+                line_key,
                 op: change.op,
                 qty: change.qty,
                 request_id: request_id.clone(),

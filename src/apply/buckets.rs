@@ -83,6 +83,9 @@ async fn apply_moves<P: Port>(
             reservation_id: None,
             plugin_version: None,
             at: now_ms,
+            line_key: None,
+            limit_key: None,
+            reverses: None,
         };
         let change = Change { row: Row::Bucket(bucket), how: Move::Adjust, gate: Gate::Counters, entry };
         if port.change(&change).await?.is_none() {

@@ -15,6 +15,7 @@ pub mod port;
 pub mod reads;
 pub mod reservations;
 pub mod resources;
+pub mod reversals;
 pub mod settlement;
 
 #[cfg(test)]

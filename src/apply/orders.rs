@@ -18,7 +18,8 @@ use crate::storage::rules::{bucket_seed, new_request_id, reservation_lines_json}
 use crate::storage::{Idempotent, NewResource, OrderExecution, OrderJob, StorageError, StoredResponse};
 use crate::time::Timestamp;
 
-/// Identity shared by every ledger row of one order.
+/// Identity shared by every ledger row of one order (and, set per line, of one line).
+#[derive(Clone, Copy)]
 pub(super) struct OrderFacts<'a> {
     pub tenant: &'a TenantId,
     /// Picks the first bucket tried when the plan names none.
@@ -29,6 +30,9 @@ pub(super) struct OrderFacts<'a> {
     pub reservation_id: Option<&'a str>,
     pub plugin_version: Option<i64>,
     pub now_ms: i64,
+    /// The line being applied: its key as sent, and its per-user limit.
+    pub line_key: Option<&'a str>,
+    pub limit_key: Option<&'a str>,
 }
 
 impl OrderFacts<'_> {
@@ -47,6 +51,9 @@ impl OrderFacts<'_> {
             reservation_id: self.reservation_id,
             plugin_version: self.plugin_version,
             at: self.now_ms,
+            line_key: self.line_key,
+            limit_key: self.limit_key,
+            reverses: None,
         }
     }
 
@@ -94,6 +101,8 @@ pub async fn execute<P: Port>(port: &mut P, job: &OrderJob, now_ms: i64) -> Resu
         reservation_id: reservation.as_ref().map(|(id, _)| id.as_str()),
         plugin_version: Some(job.plan.planner.version),
         now_ms,
+        line_key: None,
+        limit_key: None,
     };
     // A single line that fails changed nothing, so only multi-line orders need a savepoint.
     let nested = job.plan.lines.len() > 1;
@@ -103,7 +112,13 @@ pub async fn execute<P: Port>(port: &mut P, job: &OrderJob, now_ms: i64) -> Resu
     let mut results = vec![LineResult::Rejected(Reason::Skipped); job.plan.lines.len()];
     let mut takes = vec![Vec::new(); job.plan.lines.len()];
     for i in job.plan.lock_sequence() {
-        (results[i], takes[i]) = line(port, &facts, &job.plan.lines[i]).await?;
+        let planned = &job.plan.lines[i];
+        let facts = OrderFacts {
+            line_key: job.order.lines.get(planned.line).map(|l| l.key.as_str()),
+            limit_key: planned.limit.as_ref().map(|l| l.key.as_str()),
+            ..facts
+        };
+        (results[i], takes[i]) = line(port, &facts, planned).await?;
     }
     let status = decide(&job.plan, &results);
     if nested {

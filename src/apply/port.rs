@@ -12,6 +12,7 @@ use std::future::Future;
 use futures::FutureExt;
 
 use crate::engine::admission::Row as AdmissionRow;
+use crate::engine::reversal::OrderEntries;
 use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerOp, LimitSpec, Mode, Reservation, ReservationState, ResourceState,
     ResourceStatus, TenantId,
@@ -43,6 +44,9 @@ pub enum Move {
     /// `available` and `total` by a signed quantity, guarded by `available + qty >= 0` (and, on
     /// a resource row, `total + qty <= MAX_TOTAL`).
     Adjust,
+    /// `consumed → available` (a reversal), guarded by `consumed >= qty`; with
+    /// [`Gate::Order`], a resource row must also be in db mode (Redis gives back its own).
+    Reverse,
 }
 
 /// Which row a change applies to.
@@ -79,6 +83,12 @@ pub struct Entry<'a> {
     pub reservation_id: Option<&'a str>,
     pub plugin_version: Option<i64>,
     pub at: i64,
+    /// The order line (its key as sent) an order's entry applied.
+    pub line_key: Option<&'a str>,
+    /// The per-user limit the line counted against (given back by a reversal).
+    pub limit_key: Option<&'a str>,
+    /// A reversal's: the request whose take it gives back.
+    pub reverses: Option<&'a str>,
 }
 
 /// One guarded change of one row, written with its ledger row (`entry`, with `entry.qty` the
@@ -131,6 +141,8 @@ pub enum Claim {
 pub struct LedgerRow {
     pub tenant: String,
     pub resource: String,
+    /// The order line (its key as sent) the entry applied.
+    pub line_key: String,
     pub op: LedgerOp,
     pub qty: i64,
     pub request_id: String,
@@ -332,6 +344,28 @@ pub trait Port {
     ) -> Result<bool, StorageError>;
     /// Stores the resource's band (after the events of its move were emitted).
     async fn set_stock(&mut self, tenant: &str, key: &str, band: StockBand) -> Result<(), StorageError>;
+
+    /// An order's ledger entries summed per resource, bucket and op (at most `limit` groups).
+    async fn order_entries(
+        &mut self,
+        tenant: &str,
+        order_id: &str,
+        limit: u32,
+    ) -> Result<Vec<OrderEntries>, StorageError>;
+    /// Counts `qty` more reversed of what the order took from the resource's bucket, if
+    /// `reversed + qty <= taken` (with `taken` raised to the given one, never lowered); `false`:
+    /// it would not fit (another reversal came first). Serialises reversals of one order line.
+    #[allow(clippy::too_many_arguments)]
+    async fn take_reversal(
+        &mut self,
+        tenant: &str,
+        order_id: &str,
+        resource: &str,
+        bucket: i64,
+        taken: i64,
+        qty: i64,
+        now_ms: i64,
+    ) -> Result<bool, StorageError>;
 
     /// Stores these reconciliation checkpoints, each replacing the stored one of its resource
     /// (bucket) unless that one is at a newer version.

@@ -44,6 +44,9 @@ async fn finish<P: Port>(
             reservation_id: Some(&reservation.id),
             plugin_version: None,
             at: now_ms,
+            line_key: Some(&line.key),
+            limit_key: line.limit_key.as_deref(),
+            reverses: None,
         };
         let changes: Vec<Change<'_>> = if line.buckets.is_empty() {
             vec![Change { row: Row::Resource, how, gate: Gate::Counters, entry }]

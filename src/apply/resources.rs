@@ -33,6 +33,9 @@ pub async fn create<P: Port>(
         reservation_id: None,
         plugin_version,
         at: now_ms,
+        line_key: None,
+        limit_key: None,
+        reverses: None,
     };
     if res.buckets > 1 {
         port.insert_buckets(&split_evenly(res.total, res.buckets), &entry).await?;
@@ -89,6 +92,9 @@ pub async fn adjust<P: Port>(
             reservation_id: None,
             plugin_version: None,
             at: now_ms,
+            line_key: None,
+            limit_key: None,
+            reverses: None,
         };
         let change = Change { row: Row::Resource, how: Move::Adjust, gate: Gate::Counters, entry };
         let changed = port.change(&change).await?.is_some();

@@ -9,9 +9,11 @@
 use serde_json::json;
 
 use super::events;
-use super::port::{Change, Entry, Gate, Move, NewReservation, Port, Row};
+use super::port::{Change, Entry, Gate, Move, NewReservation, Port, Row, Savepoint};
+use super::reversals::{self, Shortfall};
+use crate::engine::reversal::{BucketReversal, LineReversal};
 use crate::engine::{LedgerOp, Reservation, ReservationState};
-use crate::events::{resource_key, EventType, NewEvent};
+use crate::events::{order_key, resource_key, EventType, NewEvent};
 use crate::storage::redis_store::{move_target, SettleRecord, Settled};
 use crate::storage::{ContentType, StorageError, StoredResponse};
 
@@ -27,10 +29,56 @@ pub async fn settle<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Res
         port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, r.at).await?;
         return Ok(Settled::Answered);
     }
+    if r.op() == "reverse" {
+        return settle_reverse(port, r, now_ms).await;
+    }
     match move_target(r.op()) {
         Some((to, op)) => settle_move(port, r, to, op, now_ms).await,
         None => settle_take(port, r, now_ms).await,
     }
+}
+
+/// A reversal Redis made: the database path's give-back (the order line's guarded count, the
+/// `reverse` change and ledger entry, the limit), without the mode gate; what it refuses is a
+/// settlement failure. Its answer is stored, and `order.reversed` emitted, with it.
+async fn settle_reverse<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Result<Settled, StorageError> {
+    let line = LineReversal {
+        key: r.lk.clone().unwrap_or_else(|| r.k.clone()),
+        resource: r.k.clone(),
+        qty: r.q,
+        limit_key: r.lim.clone(),
+        reverses: r.rv.clone().unwrap_or_default(),
+        bucketed: false,
+        takes: vec![BucketReversal { bucket: 0, qty: r.q, taken: r.tk.unwrap_or(0) }],
+    };
+    port.savepoint(Savepoint::Lines).await?;
+    let given = reversals::give_back(port, &r.t, &r.oid, &r.rid, &line, true, now_ms).await?;
+    let settled = match given {
+        Ok(()) => {
+            port.release(Savepoint::Lines).await?;
+            Settled::Applied
+        }
+        Err(shortfall) => {
+            port.rollback_to(Savepoint::Lines).await?;
+            port.release(Savepoint::Lines).await?;
+            let reason = match shortfall {
+                Shortfall::Reversed => "exceeds_reversible",
+                Shortfall::Consumed => "insufficient",
+            };
+            refused(port, r, r.q, reason, now_ms).await?
+        }
+    };
+    // The client's answer, so a replay finds it after Redis forgot it.
+    let answer = StoredResponse { status: 201, content_type: ContentType::Json, body: r.body.clone() };
+    let stored = port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, r.at).await?;
+    if settled == Settled::Applied {
+        if stored {
+            let event = NewEvent::raw(&r.t, EventType::OrderReversed, order_key(&r.oid), now_ms, r.body.clone());
+            port.emit(&event).await?;
+        }
+        events::observe_stock(port, &r.t, &r.k, now_ms).await?;
+    }
+    Ok(settled)
 }
 
 /// Records a sale the database refused, with the resource's available stock then.
@@ -71,6 +119,9 @@ async fn settle_take<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Re
         reservation_id: r.rsv.as_deref(),
         plugin_version: Some(r.pv),
         at: now_ms,
+        line_key: r.lk.as_deref(),
+        limit_key: r.lim.as_deref(),
+        reverses: None,
     };
     let how = if reserve { Move::Reserve } else { Move::Deduct };
     let change = Change { row: Row::Resource, how, gate: Gate::Counters, entry };
@@ -154,6 +205,9 @@ async fn settle_move<P: Port>(
             reservation_id: Some(id),
             plugin_version: None,
             at: now_ms,
+            line_key: reservation.lines.first().map(|l| l.key.as_str()),
+            limit_key: r.lim.as_deref(),
+            reverses: None,
         };
         let how = if to == ReservationState::Confirmed { Move::Confirm } else { Move::Unreserve };
         if port.change(&Change { row: Row::Resource, how, gate: Gate::Counters, entry }).await?.is_none() {

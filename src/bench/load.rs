@@ -27,6 +27,8 @@ pub enum Workload {
     ReplayStorm,
     /// Reserve one line, then confirm or release it (1,000 keys).
     ReserveConfirm,
+    /// Deduct 2 of one line, then reverse 1 of that order (1,000 keys).
+    DeductReverse,
     /// `GET /healthz`: the same server and clients without storage.
     Ceiling,
 }
@@ -37,7 +39,7 @@ impl Workload {
         match self {
             Self::HotKey => 1,
             Self::Uniform => 10_000,
-            Self::MultiLine | Self::ReplayStorm | Self::ReserveConfirm => 1_000,
+            Self::MultiLine | Self::ReplayStorm | Self::ReserveConfirm | Self::DeductReverse => 1_000,
             Self::Ceiling => 0,
         }
     }
@@ -50,6 +52,7 @@ impl Workload {
             Self::MultiLine => "multi-line",
             Self::ReplayStorm => "replay-storm",
             Self::ReserveConfirm => "reserve-confirm",
+            Self::DeductReverse => "deduct-reverse",
             Self::Ceiling => "ceiling",
         }
     }
@@ -284,9 +287,39 @@ async fn client_loop(t: Arc<Target>, w: Workload, task: usize, deadline: Instant
                 }
                 record(&mut stats, started, &outcome);
             }
+            Workload::DeductReverse => {
+                let key = key_of(w, rng.random_range(0..w.keys()));
+                let mut body = order_body(&idem, "deduct", std::slice::from_ref(&key));
+                body["lines"][0]["qty"] = json!(2);
+                let outcome = order(&t, &idem, &body).await;
+                record(&mut stats, started, &outcome);
+                if !outcome.ok {
+                    continue;
+                }
+                stats.consumed_expected += 2;
+                let started = Instant::now();
+                let outcome = reverse(&t, &format!("{idem}-r"), &idem, &key, 1).await;
+                if outcome.ok {
+                    stats.consumed_expected -= 1;
+                }
+                record(&mut stats, started, &outcome);
+            }
         }
     }
     stats
+}
+
+/// `POST /v1/orders/{order_id}/reversals` of `qty` of the order's one line `key`.
+async fn reverse(t: &Target, idem: &str, order_id: &str, key: &str, qty: i64) -> Answer {
+    let resp = t
+        .client
+        .post(format!("{}/v1/orders/{order_id}/reversals", t.base))
+        .bearer_auth(&t.api_key)
+        .header("Idempotency-Key", idem)
+        .json(&json!({"lines": [{"key": key, "qty": qty}], "reason": "bench"}))
+        .send()
+        .await;
+    classify(resp).await
 }
 
 /// Runs the workload with `clients` tasks for `duration` and merges their stats.

@@ -64,7 +64,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     pub duration_secs: u64,
     /// Comma-separated scenarios: hot-key, uniform, multi-line, replay-storm, reserve-confirm,
-    /// ceiling, row-lock, guarded-per-request; and redis-hot-key (needs STOCKD_REDIS_URL) and
+    /// deduct-reverse (each order deducts 2 and reverses 1), ceiling, row-lock,
+    /// guarded-per-request; and redis-hot-key (needs STOCKD_REDIS_URL) and
     /// noisy-neighbour (fixed 32 + 8 clients, three phases of --duration-secs each; needs
     /// hostile-fuel-burner.wasm in --plugins-dir).
     #[arg(
@@ -203,6 +204,7 @@ fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
         "multi-line" => Scenario::Http(Workload::MultiLine),
         "replay-storm" => Scenario::Http(Workload::ReplayStorm),
         "reserve-confirm" => Scenario::Http(Workload::ReserveConfirm),
+        "deduct-reverse" => Scenario::Http(Workload::DeductReverse),
         "ceiling" => Scenario::Http(Workload::Ceiling),
         "row-lock" => Scenario::Naive(Naive::RowLock),
         "guarded-per-request" => Scenario::Naive(Naive::Guarded),

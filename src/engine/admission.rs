@@ -42,6 +42,8 @@ impl Row {
 /// One change admission made: a ledger row to write.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Change {
+    /// The plan line (index into `plan.lines`) it applied.
+    pub line: usize,
     pub resource: String,
     pub op: LedgerOp,
     pub qty: i64,
@@ -105,6 +107,7 @@ pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action) -> Op
             }
             row.version += 1;
             changes.push(Change {
+                line: i,
                 resource: key.to_string(),
                 op,
                 qty: line.qty,

@@ -6,6 +6,7 @@ pub mod admission;
 pub mod order;
 pub mod plan;
 pub mod resource;
+pub mod reversal;
 pub mod types;
 
 pub use order::{LineResult, OrderDocument, OrderRequest, OrderStatus, Reason};

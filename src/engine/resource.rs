@@ -91,6 +91,9 @@ pub struct LedgerEntry {
     pub plugin_version: Option<i64>,
     #[schema(value_type = String, format = DateTime)]
     pub at: Timestamp,
+    /// On a `reverse` entry: the request whose take it gives back (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reverses: Option<String>,
 }
 
 /// The counters reconciliation compares.
@@ -114,6 +117,7 @@ impl Counters {
             LedgerOp::Reserve => (-qty_sum, qty_sum, 0, 0),
             LedgerOp::Confirm => (0, -qty_sum, qty_sum, 0),
             LedgerOp::Release | LedgerOp::Expire => (qty_sum, -qty_sum, 0, 0),
+            LedgerOp::Reverse => (qty_sum, 0, -qty_sum, 0),
         };
         self.available = self.available.saturating_add(da);
         self.reserved = self.reserved.saturating_add(dr);
@@ -383,7 +387,8 @@ mod tests {
         c.apply(LedgerOp::Release, 3, 1);
         c.apply(LedgerOp::Expire, 3, 1);
         c.apply(LedgerOp::Adjust, -5, 1);
-        assert_eq!(c, Counters { available: 84, reserved: 0, consumed: 11, total: 95, version: 8 });
+        c.apply(LedgerOp::Reverse, 2, 1);
+        assert_eq!(c, Counters { available: 86, reserved: 0, consumed: 9, total: 95, version: 9 });
         assert_eq!(c.available + c.reserved + c.consumed, c.total);
     }
 }

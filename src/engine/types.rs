@@ -204,7 +204,7 @@ str_enum!(
     /// A ledger entry's operation.
     LedgerOp {
         Create => "create", Adjust => "adjust", Deduct => "deduct", Reserve => "reserve",
-        Confirm => "confirm", Release => "release", Expire => "expire",
+        Confirm => "confirm", Release => "release", Expire => "expire", Reverse => "reverse",
     }
 );
 

@@ -19,6 +19,7 @@
 pub mod control;
 pub mod link;
 pub mod orders;
+pub mod reversals;
 pub mod scripts;
 pub mod soldout;
 
@@ -198,6 +199,7 @@ pub struct RedisMode {
     abandoned: Script,
     load: Script,
     forget: Script,
+    reverse: Script,
     /// The redis-mode resources, as last read from the database (and changed by this process).
     modes: RwLock<HashSet<(String, String)>>,
     pub sold_out: soldout::SoldOut,
@@ -234,6 +236,7 @@ impl RedisMode {
             abandoned: Script::new(scripts::ABANDONED),
             load: Script::new(scripts::LOAD),
             forget: Script::new(scripts::FORGET),
+            reverse: Script::new(scripts::REVERSE),
             modes: RwLock::new(HashSet::new()),
             sold_out: soldout::SoldOut::default(),
             consumer: format!("stockd-{}", ulid::Ulid::new()),
@@ -270,6 +273,11 @@ impl RedisMode {
 
     fn deadlines_key(&self, tenant: &str, key: &str) -> String {
         format!("{}:e", self.base(tenant, key))
+    }
+
+    /// What each order has had reversed here (see [`scripts::REVERSE`]).
+    fn reversals_key(&self, tenant: &str, key: &str) -> String {
+        format!("{}:rv", self.base(tenant, key))
     }
 
     /// Which resource a reservation made in Redis belongs to (its own slot: written after the
@@ -644,6 +652,7 @@ impl RedisMode {
             .key(self.limits_key(tenant, key))
             .key(self.reservations_key(tenant, key))
             .key(self.deadlines_key(tenant, key))
+            .key(self.reversals_key(tenant, key))
             .arg(epoch)
             .arg(FORGOTTEN_MARKER_S);
         let mut conn = self.link.conn().await?;
@@ -746,12 +755,15 @@ impl RedisMode {
                 h: String::new(),
                 body: String::new(),
                 lim: limit.clone(),
+                lk: held.lines.first().map(|l| l.key.clone()),
                 pv: 0,
                 at: now_ms,
                 op: Some(op.to_string()),
                 rsv: Some(id.to_string()),
                 exp: None,
                 lines: None,
+                tk: None,
+                rv: None,
                 c: None,
             })
             .map_err(|e| RedisModeError::Reply(e.to_string()))

@@ -76,12 +76,15 @@ impl RedisMode {
             h: job.idempotency.request_hash.clone(),
             body: applied.clone(),
             lim: line.limit.as_ref().map(|l| l.key.to_string()),
+            lk: job.order.lines.get(line.line).map(|l| l.key.to_string()),
             pv: job.plan.planner.version,
             at: now,
             op: held.as_ref().map(|_| "reserve".to_string()),
             rsv: held.as_ref().map(|r| r.id.clone()),
             exp: held.as_ref().map(|r| r.expires_at.0),
             lines,
+            tk: None,
+            rv: None,
             c: None,
         };
         // Only the identity travels: the status and body the script chose go beside it.

@@ -141,6 +141,55 @@ redis.call('XADD', KEYS[3], '*', 'r', record, 'd', delta)
 return {to, doc}
 "#;
 
+/// Reverses (part of) one order line Redis sold: gives `qty` back to `avail`, and the per-user
+/// limit units with it, at most what the order took minus what it has had reversed; or answers
+/// the request key's first outcome again. The order's count of reversed units is kept in the
+/// resource's slot (`:rv`, order id -> reversed), starting from the database's settled count
+/// when Redis has none (a fresh Redis, or one that entered redis mode after db-path reversals),
+/// so concurrent reversals, settled or not, never give back more than the order took.
+///
+/// KEYS[1] the resource hash; KEYS[2] the limit counters; KEYS[3] this request's record;
+/// KEYS[4] the stream; KEYS[5] the order reversal counts (hash: order id -> reversed).
+///
+/// ARGV[1] qty; ARGV[2] order id; ARGV[3] what the order took (the database's ledger);
+/// ARGV[4] what the database has settled as reversed of it; ARGV[5] limit key or ""; ARGV[6]
+/// request hash; ARGV[7] request record TTL (s); ARGV[8] body if applied; ARGV[9] the
+/// settlement record; ARGV[10] the channel; ARGV[11] the message announcing stock again.
+///
+/// Returns `{outcome, code, body, reversible}`: outcome `applied`, `exceeds` (nothing written:
+/// not an outcome, `reversible` says what is left), `replay`, `mismatch`, `cold` or `closed`.
+/// The entry's `d` is `-qty`: Redis's available grew before the database's did.
+pub const REVERSE: &str = r#"
+local prev = redis.call('HMGET', KEYS[3], 'h', 'c', 'b')
+if prev[1] then
+  if prev[1] ~= ARGV[6] then return {'mismatch', '422', '', 0} end
+  return {'replay', prev[2], prev[3], 0}
+end
+local st = redis.call('HMGET', KEYS[1], 'avail', 'open')
+if not st[1] then return {'cold', '503', '', 0} end
+if st[2] ~= '1' then return {'closed', '503', '', 0} end
+local qty = tonumber(ARGV[1])
+local reversed = tonumber(redis.call('HGET', KEYS[5], ARGV[2]) or '0')
+local settled = tonumber(ARGV[4])
+if settled > reversed then reversed = settled end
+local taken = tonumber(ARGV[3])
+if reversed + qty > taken then return {'exceeds', '409', '', taken - reversed} end
+redis.call('HSET', KEYS[5], ARGV[2], reversed + qty)
+local before = tonumber(st[1])
+redis.call('HINCRBY', KEYS[1], 'avail', qty)
+redis.call('HINCRBY', KEYS[1], 'backlog', 0 - qty)
+redis.call('HINCRBY', KEYS[1], 'pending', 1)
+if ARGV[5] ~= '' then
+  local used = tonumber(redis.call('HGET', KEYS[2], ARGV[5]) or '0')
+  if used >= qty then redis.call('HINCRBY', KEYS[2], ARGV[5], 0 - qty) end
+end
+redis.call('XADD', KEYS[4], '*', 'r', ARGV[9], 'd', 0 - qty)
+if before == 0 then redis.call('PUBLISH', ARGV[10], ARGV[11]) end
+redis.call('HSET', KEYS[3], 'h', ARGV[6], 'c', '201', 'b', ARGV[8])
+redis.call('EXPIRE', KEYS[3], ARGV[7])
+return {'applied', '201', ARGV[8], taken - reversed - qty}
+"#;
+
 /// Acknowledges one settled stream entry: the first acknowledgement (only) removes the entry
 /// and takes it off the backlog, so a redelivered entry is never subtracted twice.
 ///
@@ -266,7 +315,7 @@ return {1, 0}
 /// under an older epoch.
 ///
 /// KEYS[1] the resource hash; KEYS[2] the stream; KEYS[3] the limit counters; KEYS[4] the
-/// reservations; KEYS[5] the deadlines. ARGV[1] epoch; ARGV[2] the marker's life (s). Held
+/// reservations; KEYS[5] the deadlines; KEYS[6] the order reversal counts. ARGV[1] epoch; ARGV[2] the marker's life (s). Held
 /// reservations continue on the database path. Returns 0 when forgotten, the entries still
 /// unsettled otherwise, or -1 when another epoch holds the resource.
 pub const FORGET: &str = r#"
@@ -274,7 +323,7 @@ local st = redis.call('HMGET', KEYS[1], 'epoch', 'pending')
 if st[1] ~= ARGV[1] then return -1 end
 local pending = tonumber(st[2] or '0')
 if pending ~= 0 then return pending end
-redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'open', '0')
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 0

@@ -14,6 +14,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use crate::apply::reversals::{ReversalJob, Reversed};
+use crate::engine::reversal::OrderLedger;
+use crate::engine::OrderId;
 use crate::engine::{
     IdempotencyKey, Kind, LineResult, OrderDocument, OrderRequest, OrderStatus, Pass, Plan, Reconciliation,
     Reservation, ReservationState, ResourceKey, ResourceState, ResourceStatus, TenantId,
@@ -342,6 +345,11 @@ pub trait Storage: redis_store::RedisStore + crate::webhooks::WebhookStore + Sen
         order: &OrderRequest,
         plan: &Plan,
     ) -> Result<OrderDocument, StorageError>;
+
+    /// The order as its ledger entries tell it; `None` when the tenant never applied it.
+    async fn get_order(&self, tenant: &TenantId, order_id: &OrderId) -> Result<Option<OrderLedger>, StorageError>;
+    /// Reverses (part of) an order on the database path, or replays its key's first outcome.
+    async fn reverse_order(&self, job: Arc<ReversalJob>, now_ms: i64) -> Result<Reversed, StorageError>;
 
     async fn get_reservation(&self, tenant: &TenantId, id: &str) -> Result<Option<Reservation>, StorageError>;
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError>;

@@ -36,12 +36,16 @@ pub struct SettleRecord {
     pub body: String,
     /// The per-user limit key the deduction counted against, if any.
     pub lim: Option<String>,
+    /// The order line's key as the client sent it (records of this version on), for the ledger.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lk: Option<String>,
     /// The plan's planner version, for the ledger row.
     pub pv: i64,
     /// When Redis acknowledged it (Unix ms).
     pub at: i64,
-    /// `deduct` (when absent), `reserve`, or a move of a reservation made in Redis: `confirm`,
-    /// `release`, `expire` (whose quantity the database takes from the reservation's row).
+    /// `deduct` (when absent), `reserve`, `reverse` (consumed back to available), or a move of a
+    /// reservation made in Redis: `confirm`, `release`, `expire` (whose quantity the database
+    /// takes from the reservation's row).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub op: Option<String>,
     /// The reservation (reserve and moves).
@@ -52,6 +56,12 @@ pub struct SettleRecord {
     pub exp: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lines: Option<String>,
+    /// A reversal: what the order took from the resource (the database's ledger, when Redis
+    /// decided it) and the request whose take it gives back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tk: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rv: Option<String>,
     /// A refusal's status code (from the stream entry's `c`; its `b` is the body).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub c: Option<u16>,

@@ -115,7 +115,7 @@ pub fn reservation(row: &dyn Columns) -> Result<Reservation, StorageError> {
 
 /// The ledger columns of [`ledger_entry`].
 pub const LEDGER_COLUMNS: &str = "seq, bucket, op, qty, request_id, order_id, reservation_id, available_after,
-    reserved_after, consumed_after, plugin_version, at";
+    reserved_after, consumed_after, plugin_version, at, reverses";
 
 pub fn ledger_entry(row: &dyn Columns) -> Result<LedgerEntry, StorageError> {
     Ok(LedgerEntry {
@@ -131,6 +131,7 @@ pub fn ledger_entry(row: &dyn Columns) -> Result<LedgerEntry, StorageError> {
         consumed_after: row.int("consumed_after")?,
         plugin_version: row.opt_int("plugin_version")?,
         at: Timestamp(row.int("at")?),
+        reverses: row.opt_text("reverses")?,
     })
 }
 
@@ -301,3 +302,35 @@ pub fn settlement_failure(row: &dyn Columns) -> Result<SettlementFailure, Storag
         at: Timestamp(row.int("at")?),
     })
 }
+
+/// An order's ledger entries summed per resource, bucket and op (both backends; `$n` binds on
+/// both): $1 tenant, $2 order id, $3 limit. Through `ledger_by_order`.
+pub(crate) const ORDER_ENTRIES_SQL: &str = "SELECT resource_key, bucket, op, CAST(SUM(qty) AS BIGINT) AS qty,
+        MIN(line_key) AS line_key, MIN(limit_key) AS limit_key, MIN(request_id) AS first_request
+    FROM ledger WHERE tenant_id = $1 AND order_id = $2
+    GROUP BY resource_key, bucket, op ORDER BY resource_key, bucket, op LIMIT $3";
+
+/// One row of [`ORDER_ENTRIES_SQL`].
+pub fn order_entries(row: &dyn Columns) -> Result<crate::engine::reversal::OrderEntries, StorageError> {
+    Ok(crate::engine::reversal::OrderEntries {
+        resource: row.text("resource_key")?,
+        bucket: row.int("bucket")?,
+        op: LedgerOp::from_db(&row.text("op")?).ok_or_else(|| corrupt("ledger.op"))?,
+        qty: row.int("qty")?,
+        line_key: row.opt_text("line_key")?,
+        limit_key: row.opt_text("limit_key")?,
+        first_request: row.text("first_request")?,
+    })
+}
+
+/// Counts a reversal of an order line's bucket, guarded (both backends): $1 tenant, $2 order,
+/// $3 resource, $4 bucket, $5 taken (as the ledger says now), $6 qty, $7 now. A new row needs
+/// `qty <= taken`, which the caller checked; an existing one is raised to `taken` and moves only
+/// while `reversed + qty` stays within it. One row changed: counted; none: it would not fit.
+pub(crate) const TAKE_REVERSAL_SQL: &str = "INSERT INTO order_reversals AS o
+        (tenant_id, order_id, resource_key, bucket, taken, reversed, updated_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $7)
+    ON CONFLICT (tenant_id, order_id, resource_key, bucket) DO UPDATE
+    SET taken = CASE WHEN o.taken >= excluded.taken THEN o.taken ELSE excluded.taken END,
+        reversed = o.reversed + excluded.reversed, updated_at = excluded.updated_at
+    WHERE o.reversed + excluded.reversed <= CASE WHEN o.taken >= excluded.taken THEN o.taken ELSE excluded.taken END";

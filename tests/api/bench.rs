@@ -14,7 +14,7 @@ const BENCH_DEADLINE: Duration = Duration::from_secs(120);
 
 /// Runs `stockd bench` with `args` plus `--json` in a temporary directory against the suite's
 /// backend; asserts it succeeds within [`BENCH_DEADLINE`] and returns its table and JSON report.
-async fn bench(args: &[&str]) -> (String, Value) {
+pub(crate) async fn bench(args: &[&str]) -> (String, Value) {
     let dir = tempfile::tempdir().expect("a temporary directory can be created");
     let json = dir.path().join("bench.json");
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_stockd"));

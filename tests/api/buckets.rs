@@ -138,6 +138,7 @@ fn replay_buckets(entries: &[Value], n: usize) -> Vec<Triple> {
                 "reserve" => (c.0, c.1) = (c.0 - qty, c.1 + qty),
                 "confirm" => (c.1, c.2) = (c.1 - qty, c.2 + qty),
                 "release" | "expire" => (c.1, c.0) = (c.1 - qty, c.0 + qty),
+                "reverse" => (c.2, c.0) = (c.2 - qty, c.0 + qty),
                 other => panic!("unknown ledger op {other:?}: {entry}"),
             }
         }

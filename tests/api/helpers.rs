@@ -679,6 +679,10 @@ pub fn replay_ledger(entries: &[Value]) -> Counts {
                 counts.reserved -= qty;
                 counts.available += qty;
             }
+            "reverse" => {
+                counts.consumed -= qty;
+                counts.available += qty;
+            }
             other => panic!("unknown ledger op {other:?}: {entry}"),
         }
         counts.assert_invariant();

@@ -34,6 +34,7 @@ mod replays;
 mod reservations;
 mod resources;
 mod retention;
+mod reversals;
 mod tenants;
 mod validation;
 mod webhooks;

@@ -302,6 +302,7 @@ impl Api {
                 "reserve" => (Some("available"), Some("reserved"), qty),
                 "confirm" => (Some("reserved"), Some("consumed"), qty),
                 "release" | "expire" => (Some("reserved"), Some("available"), qty),
+                "reverse" => (Some("consumed"), Some("available"), qty),
                 other => panic!("{key}: unexpected ledger op {other:?} at position {i}: {entry}"),
             };
             if from.is_none() {

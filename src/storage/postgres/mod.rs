@@ -36,7 +36,10 @@ use super::{
     Transition,
 };
 use crate::apply::port::Port;
-use crate::apply::{buckets, reads, reservations, resources};
+use crate::apply::reversals::{ReversalJob, Reversed};
+use crate::apply::{buckets, reads, reservations, resources, reversals};
+use crate::engine::reversal::OrderLedger;
+use crate::engine::OrderId;
 use crate::engine::{
     LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
     ResourceStatus, TenantId,
@@ -404,6 +407,39 @@ impl Storage for PgStorage {
         let outcome = reads::preview(&mut PgPort::new(&mut tx), tenant, order, plan).await?;
         tx.commit().await?;
         Ok(outcome)
+    }
+
+    async fn get_order(&self, tenant: &TenantId, order_id: &OrderId) -> Result<Option<OrderLedger>, StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        let mut tx = conn.begin_with(SNAPSHOT).await?;
+        let order = reversals::order(&mut PgPort::new(&mut tx), tenant.as_str(), order_id.as_str()).await?;
+        tx.commit().await?;
+        Ok(order)
+    }
+
+    async fn reverse_order(&self, job: Arc<ReversalJob>, now_ms: i64) -> Result<Reversed, StorageError> {
+        // The order's resources are locked with the batch's other declared rows, in the one
+        // global order, before any job runs: two processes' batches reversing (or selling) the
+        // same resources never wait on each other in a cycle. Read here, outside the batch;
+        // a resource the order touches later is still locked by the job itself, only later.
+        let locks = {
+            let mut conn = acquire(&self.pool).await?;
+            let entries = PgPort::new(&mut conn)
+                .order_entries(job.tenant.as_str(), job.order_id.as_str(), reversals::MAX_ORDER_GROUPS)
+                .await?;
+            let mut locks: Vec<(String, String)> =
+                entries.into_iter().map(|e| (job.tenant.to_string(), e.resource)).collect();
+            locks.dedup();
+            locks
+        };
+        self.submit(
+            locks,
+            work(move |conn| {
+                let job = job.clone();
+                Box::pin(async move { reversals::reverse(&mut PgPort::new(conn), &job, now_ms).await })
+            }),
+        )
+        .await
     }
 
     async fn get_reservation(&self, tenant: &TenantId, id: &str) -> Result<Option<Reservation>, StorageError> {

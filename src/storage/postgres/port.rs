@@ -18,6 +18,7 @@ use crate::apply::port::{
 };
 use crate::apply::reads::{LedgerRows, Reads};
 use crate::engine::admission::Row as AdmissionRow;
+use crate::engine::reversal::OrderEntries;
 use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
     ResourceStatus, TenantId, MAX_TOTAL,
@@ -43,8 +44,9 @@ pub(super) fn stored_response(row: &PgRow) -> Result<Option<StoredResponse>, Sto
 
 /// A guarded UPDATE and its ledger row in one statement. `$1` quantity, `$2` time, `$3` tenant,
 /// `$4` resource, `$5` bucket, `$6` op, `$7` request, `$8` order, `$9` reservation, `$10` plugin
-/// version, and `$11` the kind (an order's deduction or reservation) or the largest total (an
-/// adjustment of a resource row).
+/// version, `$11` line key, `$12` limit key, `$13` the request a reversal gives back, and `$14`
+/// the kind (an order's deduction or reservation) or the largest total (an adjustment of a
+/// resource row).
 macro_rules! with_ledger {
     ($update:expr) => {
         concat!(
@@ -52,8 +54,10 @@ macro_rules! with_ledger {
             $update,
             " RETURNING available, reserved, consumed, version)
              INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
-                                 available_after, reserved_after, consumed_after, version_after, plugin_version, at)
-             SELECT $3, $4, $5, $6, $1, $7, $8, $9, available, reserved, consumed, version, $10, $2 FROM changed
+                                 available_after, reserved_after, consumed_after, version_after, plugin_version, at,
+                                 line_key, limit_key, reverses)
+             SELECT $3, $4, $5, $6, $1, $7, $8, $9, available, reserved, consumed, version, $10, $2, $11, $12, $13
+             FROM changed
              RETURNING available_after AS available, reserved_after AS reserved, consumed_after AS consumed,
                        version_after AS version"
         )
@@ -85,11 +89,11 @@ fn change_sql(row: Row, how: Move, gate: Gate) -> &'static str {
     match (row, how, gate) {
         (Row::Resource, Move::Deduct, Gate::Order { .. }) => resource_move!(
             "available = available - $1, consumed = consumed + $1",
-            "status = 'active' AND mode = 'db' AND available >= $1 AND ($11::text IS NULL OR kind = $11::text)"
+            "status = 'active' AND mode = 'db' AND available >= $1 AND ($14::text IS NULL OR kind = $14::text)"
         ),
         (Row::Resource, Move::Reserve, Gate::Order { .. }) => resource_move!(
             "available = available - $1, reserved = reserved + $1",
-            "status = 'active' AND mode = 'db' AND available >= $1 AND ($11::text IS NULL OR kind = $11::text)"
+            "status = 'active' AND mode = 'db' AND available >= $1 AND ($14::text IS NULL OR kind = $14::text)"
         ),
         (Row::Resource, Move::Deduct, _) => {
             resource_move!("available = available - $1, consumed = consumed + $1", "available >= $1")
@@ -105,7 +109,7 @@ fn change_sql(row: Row, how: Move, gate: Gate) -> &'static str {
         }
         (Row::Resource, Move::Adjust, _) => resource_move!(
             "available = available + $1, total = total + $1",
-            "available + $1 >= 0 AND total + $1 <= $11::bigint"
+            "available + $1 >= 0 AND total + $1 <= $14::bigint"
         ),
         (Row::Bucket(_), Move::Deduct, _) => {
             bucket_move!("available = available - $1, consumed = consumed + $1", "available >= $1")
@@ -121,6 +125,15 @@ fn change_sql(row: Row, how: Move, gate: Gate) -> &'static str {
         }
         (Row::Bucket(_), Move::Adjust, _) => {
             bucket_move!("available = available + $1, total = total + $1", "available + $1 >= 0")
+        }
+        (Row::Resource, Move::Reverse, Gate::Order { .. }) => {
+            resource_move!("consumed = consumed - $1, available = available + $1", "mode = 'db' AND consumed >= $1")
+        }
+        (Row::Resource, Move::Reverse, _) => {
+            resource_move!("consumed = consumed - $1, available = available + $1", "consumed >= $1")
+        }
+        (Row::Bucket(_), Move::Reverse, _) => {
+            bucket_move!("consumed = consumed - $1, available = available + $1", "consumed >= $1")
         }
     }
 }
@@ -308,7 +321,10 @@ impl Port for PgPort<'_> {
             .bind(e.request_id)
             .bind(e.order_id)
             .bind(e.reservation_id)
-            .bind(e.plugin_version);
+            .bind(e.plugin_version)
+            .bind(e.line_key)
+            .bind(e.limit_key)
+            .bind(e.reverses);
         let query = match (change.row, change.how, change.gate) {
             (Row::Resource, Move::Deduct | Move::Reserve, Gate::Order { kind }) => query.bind(kind.map(Kind::as_str)),
             (Row::Resource, Move::Adjust, _) => query.bind(MAX_TOTAL),
@@ -320,8 +336,9 @@ impl Port for PgPort<'_> {
     async fn append_ledger(&mut self, e: &Entry<'_>, after: Counts) -> Result<(), StorageError> {
         sqlx::query(
             "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
-                                 available_after, reserved_after, consumed_after, version_after, plugin_version, at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+                                 available_after, reserved_after, consumed_after, version_after, plugin_version, at,
+                                 line_key, limit_key, reverses)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
         )
         .bind(e.tenant)
         .bind(e.resource)
@@ -337,6 +354,9 @@ impl Port for PgPort<'_> {
         .bind(after.version)
         .bind(e.plugin_version)
         .bind(e.at)
+        .bind(e.line_key)
+        .bind(e.limit_key)
+        .bind(e.reverses)
         .execute(&mut *self.conn)
         .await?;
         Ok(())
@@ -739,11 +759,13 @@ impl Port for PgPort<'_> {
                 RETURNING 1),
              ledgered AS (
                 INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
-                                    available_after, reserved_after, consumed_after, version_after, plugin_version, at)
-                SELECT t, k, 0, o, q, rq, oi, ri, a, rs, cs, v, pv, at
+                                    available_after, reserved_after, consumed_after, version_after, plugin_version, at,
+                                    line_key)
+                SELECT t, k, 0, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk
                 FROM UNNEST($9::text[], $10::text[], $11::text[], $12::bigint[], $13::text[], $14::text[], $15::text[],
-                            $16::bigint[], $17::bigint[], $18::bigint[], $19::bigint[], $20::bigint[], $21::bigint[])
-                     WITH ORDINALITY AS u (t, k, o, q, rq, oi, ri, a, rs, cs, v, pv, at, n)
+                            $16::bigint[], $17::bigint[], $18::bigint[], $19::bigint[], $20::bigint[], $21::bigint[],
+                            $39::text[])
+                     WITH ORDINALITY AS u (t, k, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk, n)
                 ORDER BY n
                 RETURNING 1),
              held AS (
@@ -804,6 +826,7 @@ impl Port for PgPort<'_> {
         .bind(col(ev, |x| x.ordering_key.clone()))
         .bind(col(ev, |x| x.at))
         .bind(col(ev, |x| x.data.clone()))
+        .bind(col(l, |x| x.line_key.clone()))
         .fetch_one(&mut *self.conn)
         .await?;
         let count = |name: &str| -> Result<u64, StorageError> { Ok(counts.try_get::<i64, _>(name)?.max(0) as u64) };
@@ -889,6 +912,45 @@ impl Port for PgPort<'_> {
 
     /// One statement for all of them, in key order, so two processes' passes take the
     /// checkpoint rows' locks in the same order.
+    async fn order_entries(
+        &mut self,
+        tenant: &str,
+        order_id: &str,
+        limit: u32,
+    ) -> Result<Vec<OrderEntries>, StorageError> {
+        let rows = sqlx::query(rows::ORDER_ENTRIES_SQL)
+            .bind(tenant)
+            .bind(order_id)
+            .bind(i64::from(limit))
+            .fetch_all(&mut *self.conn)
+            .await?;
+        rows.iter().map(|row| rows::order_entries(row)).collect()
+    }
+
+    async fn take_reversal(
+        &mut self,
+        tenant: &str,
+        order_id: &str,
+        resource: &str,
+        bucket: i64,
+        taken: i64,
+        qty: i64,
+        now_ms: i64,
+    ) -> Result<bool, StorageError> {
+        let counted = sqlx::query(rows::TAKE_REVERSAL_SQL)
+            .bind(tenant)
+            .bind(order_id)
+            .bind(resource)
+            .bind(bucket)
+            .bind(taken)
+            .bind(qty)
+            .bind(now_ms)
+            .execute(&mut *self.conn)
+            .await?
+            .rows_affected();
+        Ok(counted == 1)
+    }
+
     async fn advance_checkpoints(&mut self, checkpoints: &[Checkpoint]) -> Result<(), StorageError> {
         if checkpoints.is_empty() {
             return Ok(());

@@ -29,7 +29,10 @@ use super::{
     Transition,
 };
 use crate::apply::port::run_now;
-use crate::apply::{buckets, reads, reservations, resources};
+use crate::apply::reversals::{ReversalJob, Reversed};
+use crate::apply::{buckets, reads, reservations, resources, reversals};
+use crate::engine::reversal::OrderLedger;
+use crate::engine::OrderId;
 use crate::engine::{
     LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
     ResourceStatus, TenantId,
@@ -375,6 +378,19 @@ impl Storage for SqliteStorage {
         self.readers
             .snapshot(move |conn| run_now(reads::preview(&mut SqlitePort::new(conn), &tenant, &order, &plan)))
             .await
+    }
+
+    async fn get_order(&self, tenant: &TenantId, order_id: &OrderId) -> Result<Option<OrderLedger>, StorageError> {
+        let (tenant, order_id) = (tenant.clone(), order_id.clone());
+        self.readers
+            .snapshot(move |conn| {
+                run_now(reversals::order(&mut SqlitePort::new(conn), tenant.as_str(), order_id.as_str()))
+            })
+            .await
+    }
+
+    async fn reverse_order(&self, job: Arc<ReversalJob>, now_ms: i64) -> Result<Reversed, StorageError> {
+        self.writer()?.submit(move |conn| run_now(reversals::reverse(&mut SqlitePort::new(conn), &job, now_ms))).await
     }
 
     async fn get_reservation(&self, tenant: &TenantId, id: &str) -> Result<Option<Reservation>, StorageError> {

@@ -14,6 +14,7 @@ use crate::apply::port::{
 };
 use crate::apply::reads::{LedgerRows, Reads};
 use crate::engine::admission::Row as AdmissionRow;
+use crate::engine::reversal::OrderEntries;
 use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
     ResourceStatus, TenantId, MAX_TOTAL,
@@ -108,13 +109,23 @@ fn change_sql(row: Row, how: Move, gate: Gate) -> &'static str {
         (Row::Bucket(_), Move::Adjust, _) => {
             bucket_move!("available = available + ?1, total = total + ?1", "available + ?1 >= 0")
         }
+        (Row::Resource, Move::Reverse, Gate::Order { .. }) => {
+            resource_move!("consumed = consumed - ?1, available = available + ?1", "mode = 'db' AND consumed >= ?1")
+        }
+        (Row::Resource, Move::Reverse, _) => {
+            resource_move!("consumed = consumed - ?1, available = available + ?1", "consumed >= ?1")
+        }
+        (Row::Bucket(_), Move::Reverse, _) => {
+            bucket_move!("consumed = consumed - ?1, available = available + ?1", "consumed >= ?1")
+        }
     }
 }
 
 const INSERT_LEDGER: &str =
     "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
-                         available_after, reserved_after, consumed_after, version_after, plugin_version, at)
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)";
+                         available_after, reserved_after, consumed_after, version_after, plugin_version, at,
+                         line_key, limit_key, reverses)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)";
 
 const INSERT_OUTCOME: &str =
     "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body, created_at)
@@ -176,7 +187,10 @@ impl<'c> SqlitePort<'c> {
             after.consumed,
             after.version,
             e.plugin_version,
-            e.at
+            e.at,
+            e.line_key,
+            e.limit_key,
+            e.reverses
         ])?;
         Ok(())
     }
@@ -629,6 +643,9 @@ impl Port for SqlitePort<'_> {
                 reservation_id: l.reservation_id.as_deref(),
                 plugin_version: Some(l.plugin_version),
                 at: l.at,
+                line_key: Some(&l.line_key),
+                limit_key: None,
+                reverses: None,
             };
             self.ledger(&entry, l.after)?;
         }
@@ -710,6 +727,33 @@ impl Port for SqlitePort<'_> {
             .prepare_cached("UPDATE resources SET stock = ?1 WHERE tenant_id = ?2 AND key = ?3")?
             .execute(params![band.as_str(), tenant, key])?;
         Ok(())
+    }
+
+    async fn order_entries(
+        &mut self,
+        tenant: &str,
+        order_id: &str,
+        limit: u32,
+    ) -> Result<Vec<OrderEntries>, StorageError> {
+        let mut statement = self.conn.prepare_cached(&rows::ORDER_ENTRIES_SQL.replace('$', "?"))?;
+        all(&mut statement, params![tenant, order_id, i64::from(limit)], rows::order_entries)
+    }
+
+    async fn take_reversal(
+        &mut self,
+        tenant: &str,
+        order_id: &str,
+        resource: &str,
+        bucket: i64,
+        taken: i64,
+        qty: i64,
+        now_ms: i64,
+    ) -> Result<bool, StorageError> {
+        let counted = self
+            .conn
+            .prepare_cached(&rows::TAKE_REVERSAL_SQL.replace('$', "?"))?
+            .execute(params![tenant, order_id, resource, bucket, taken, qty, now_ms])?;
+        Ok(counted == 1)
     }
 
     async fn advance_checkpoints(&mut self, checkpoints: &[Checkpoint]) -> Result<(), StorageError> {
