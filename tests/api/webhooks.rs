@@ -24,6 +24,7 @@ use reqwest::Method;
 use crate::helpers::{
     assert_problem, deduct, reserve, send, spawn_app, spawn_app_with, tamper, AppOptions, TenantClient, TestApp,
 };
+use crate::redis_support::{create_redis_resource, deduct_one, order_through_503, redis_app, shared_redis_url};
 
 /// How long a test waits for deliveries before it fails.
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -185,9 +186,13 @@ impl Receiver {
 
 /// Private targets allowed (the receiver is on 127.0.0.1), fast retries and polls.
 fn webhook_options(extra: &str) -> AppOptions {
-    AppOptions::default().toml(&format!(
+    AppOptions::default().toml(&webhook_toml(extra))
+}
+
+fn webhook_toml(extra: &str) -> String {
+    format!(
         "[events.webhooks]\nallow_private_targets = true\nretry_initial_ms = 50\nretry_max_ms = 200\npoll_interval_ms = 50\n{extra}"
-    ))
+    )
 }
 
 /// Registers an endpoint for every type; returns its JSON (with the secret).
@@ -285,8 +290,21 @@ async fn one_event_of_each_type(app: &TestApp, shop: &TenantClient) -> BTreeSet<
     )
     .await;
     shop.get("/v1/reconciliation").await.expect_json(200);
+    // A return of one unit of the first order: order.reversed.
+    let returned = json!({"lines": [{"key": "sku-a", "qty": 1}], "reason": "returned"});
+    shop.post_with_key("/v1/orders/ORD-1/reversals", "rev-1", &returned).await.expect_json(201);
+    // A sale Redis made that the database copy cannot take: settlement.failed.
+    create_redis_resource(shop, "flash", 3).await;
+    tamper(
+        app.database_url(),
+        &["UPDATE resources SET available = 0, total = reserved + consumed WHERE tenant_id = 'shop' AND key = 'flash'"],
+    )
+    .await;
+    order_through_503(shop, "ord-6", &deduct_one("ORD-6", "flash", 1, None)).await.expect_json(201);
     BTreeSet::from([
         "order.applied",
+        "order.reversed",
+        "settlement.failed",
         "reservation.held",
         "reservation.confirmed",
         "reservation.released",
@@ -402,17 +420,23 @@ async fn private_targets_are_refused_without_the_setting() {
 /// sequence order per ordering key.
 #[tokio::test]
 async fn every_event_type_is_delivered_signed_and_in_order() {
-    let app = spawn_app_with(webhook_options("")).await;
+    let (app, _prefix) = redis_app(&shared_redis_url(), &webhook_toml("")).await;
     let shop = app.create_tenant("shop").await;
     let receiver = Receiver::start().await;
     let endpoint = register(&shop, &receiver.url()).await;
     let secret = endpoint["secret"].as_str().expect("the secret").to_string();
 
     let types = one_event_of_each_type(&app, &shop).await;
-    // The expiry comes from the sweeper: wait for it in the feed, then for every delivery.
+    assert_eq!(types.len(), 11, "every type stockd emits: {types:?}");
+    // The expiry comes from the sweeper and the failure from settlement: wait for both in the
+    // feed, then for every delivery.
     let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !feed(&shop).await.iter().any(|e| e["type"] == "reservation.expired") {
-        assert!(tokio::time::Instant::now() < deadline, "the reservation never expired");
+    loop {
+        let events = feed(&shop).await;
+        if ["reservation.expired", "settlement.failed"].iter().all(|t| events.iter().any(|e| e["type"] == *t)) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the expiry and the settlement failure: {events:#?}");
         tokio::time::sleep(POLL).await;
     }
     let events = until_all_delivered(&app, &shop, &receiver).await;
