@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use crate::apply::reversals::{ReversalJob, Reversed};
 use crate::engine::order::OrderBody;
-use crate::engine::reversal::ReversalBody;
+use crate::engine::reversal::{OrderLedger, ReversalBody};
 use crate::engine::{
     InvalidValue, LineResult, Mode, OrderDocument, OrderId, OrderStatus, Plan, ReservationState, ResourceKey, TenantId,
     MAX_LINE_QTY,
@@ -271,7 +271,7 @@ impl Pipeline {
         for _ in 0..MODE_ATTEMPTS {
             match self.storage.reverse_order(job.clone(), now_ms()).await {
                 Ok(Reversed::Answered(response)) => return Ok(response),
-                Ok(Reversed::NotFound) => return Err(Refusal::OrderNotFound),
+                Ok(Reversed::NotFound) => return Err(self.not_found_or_settling(tenant, &job.order_id).await),
                 Ok(Reversed::InRedis { order, resource }) => {
                     let Some(redis) = self.redis.as_deref() else {
                         return self.replayed_or(tenant, &job.idempotency, RedisModeError::NotConfigured.into()).await;
@@ -294,6 +294,30 @@ impl Pipeline {
             }
         }
         self.replayed_or(tenant, &job.idempotency, RedisModeError::Superseded.into()).await
+    }
+
+    /// The order as the database's ledger knows it; `None`: never applied (by this tenant).
+    /// A sale of it Redis made and has not settled yet is answered `503` (retry), not `404`.
+    pub async fn lookup_order(&self, tenant: &TenantId, order_id: &OrderId) -> Result<Option<OrderLedger>, Refusal> {
+        match self.storage.get_order(tenant, order_id).await? {
+            Some(order) => Ok(Some(order)),
+            None => match self.not_found_or_settling(tenant, order_id).await {
+                Refusal::OrderNotFound => Ok(None),
+                transient => Err(transient),
+            },
+        }
+    }
+
+    /// Why the database's ledger does not know an order: never applied (`OrderNotFound`), or
+    /// sold in redis mode and still waiting in a settlement stream (transient: the ledger will
+    /// know it within moments, so the client retries).
+    async fn not_found_or_settling(&self, tenant: &TenantId, order_id: &OrderId) -> Refusal {
+        let Some(redis) = self.redis.as_deref() else { return Refusal::OrderNotFound };
+        match redis.order_unsettled(self.storage.as_ref(), tenant, order_id.as_str()).await {
+            Ok(false) => Refusal::OrderNotFound,
+            Ok(true) => StorageError::RetryLater(format!("order {order_id} is not settled yet")).into(),
+            Err(err) => err.into(),
+        }
     }
 
     /// Confirms or releases a reservation (made in Redis or on the database path).

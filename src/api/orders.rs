@@ -112,7 +112,7 @@ pub async fn get_order(
 ) -> Result<Json<OrderLedger>, ApiError> {
     // An id no order may have is an order this tenant never applied.
     let order_id = OrderId::parse(order_id).map_err(|_| order_not_found())?;
-    state.storage.get_order(&auth.tenant, &order_id).await?.map(Json).ok_or_else(order_not_found)
+    state.pipeline.lookup_order(&auth.tenant, &order_id).await?.map(Json).ok_or_else(order_not_found)
 }
 
 /// Gives (part of) an order back: consumed to available on the resources and buckets it took

@@ -686,6 +686,39 @@ impl RedisMode {
         }))
     }
 
+    /// Whether a sale of `order_id` may still wait in one of the tenant's settlement streams,
+    /// so that the database's ledger does not know the order yet. A stream holds only unsettled
+    /// entries (each is deleted once settled); one longer than can be looked through counts as
+    /// yes. Reads only.
+    pub async fn order_unsettled(
+        &self,
+        storage: &dyn crate::storage::Storage,
+        tenant: &TenantId,
+        order_id: &str,
+    ) -> Result<bool, RedisModeError> {
+        /// Most unsettled entries looked through per stream.
+        const SCAN: usize = 10_000;
+        let needle = format!("\"oid\":{}", serde_json::Value::from(order_id));
+        for (t, key) in storage.redis_resources(MAX_RESOURCES).await? {
+            if &t != tenant {
+                continue;
+            }
+            let mut cmd = redis::cmd("XRANGE");
+            cmd.arg(self.stream_key(t.as_str(), key.as_str())).arg("-").arg("+").arg("COUNT").arg(SCAN);
+            let reply: redis::streams::StreamRangeReply = self.link.query(&cmd).await?;
+            if reply.ids.len() >= SCAN {
+                return Ok(true);
+            }
+            let mentions = |entry: &redis::streams::StreamId| {
+                entry.get::<String>("r").is_some_and(|record| record.contains(&needle))
+            };
+            if reply.ids.iter().any(mentions) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Compares Redis with the database for one redis-mode resource.
     pub async fn compare(&self, tenant: &TenantId, state: &ResourceState) -> Result<RedisDrift, RedisModeError> {
         let view = self.view(tenant.as_str(), &state.key).await?;

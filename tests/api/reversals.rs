@@ -411,3 +411,40 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Proves an order Redis sold and has not settled yet is not answered like one never applied:
+/// the lookup and a reversal answer `503` with `Retry-After` (nothing stored), and once the sale
+/// settles the same requests succeed; an order id nobody used is still `404`.
+#[tokio::test]
+async fn an_order_redis_sold_and_not_yet_settled_is_a_retry_not_a_404() {
+    // Settlement's first run hangs for 8 s: Redis sells, the database's ledger knows nothing.
+    let app = spawn_app_with(
+        AppOptions::default()
+            .env("STOCKD_REDIS_PREFIX", &unique("t"))
+            .env("STOCKD_REDIS_URL", &shared_redis_url())
+            .env("STOCKD_FAULT_HANG_JOB", "settlement:8000")
+            .toml("[redis]\nclaim_idle_ms = 500\ndrain_timeout_ms = 20000\n"),
+    )
+    .await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-x", 10).await;
+    shop.order("k-1", &deduct_one("ORD-X", "sku-x", 3, None)).await.expect_json(201);
+
+    let lookup = shop.get("/v1/orders/ORD-X").await;
+    assert_problem(&lookup, 503, "unavailable");
+    assert!(lookup.header("retry-after").is_some(), "{:?}", lookup.headers);
+    let reversal = reverse(&shop, "ORD-X", "rev-1", &lines(&[("sku-x", 1)])).await;
+    assert_eq!(reversal.status(), 503, "{}", reversal.text);
+    assert!(reversal.header("retry-after").is_some(), "{:?}", reversal.headers);
+    assert_problem(&shop.get("/v1/orders/ORD-NOBODY").await, 404, "order_not_found");
+    assert_eq!(shop.state("sku-x").await["consumed"], 0, "still unsettled when the answers were given");
+
+    let order = poll(SETTLE_DEADLINE, || async {
+        let reply = shop.get("/v1/orders/ORD-X").await;
+        (reply.status() == 200).then(|| reply.json())
+    })
+    .await;
+    assert_eq!(line(&order, "sku-x")["deducted"], 3);
+    let doc = reverse(&shop, "ORD-X", "rev-1", &lines(&[("sku-x", 1)])).await.expect_json(201);
+    assert_eq!(doc["lines"], json!([{"key": "sku-x", "resource": "sku-x", "qty": 1}]));
+}
