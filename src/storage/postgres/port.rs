@@ -910,8 +910,6 @@ impl Port for PgPort<'_> {
         Ok(())
     }
 
-    /// One statement for all of them, in key order, so two processes' passes take the
-    /// checkpoint rows' locks in the same order.
     async fn order_entries(
         &mut self,
         tenant: &str,
@@ -951,6 +949,8 @@ impl Port for PgPort<'_> {
         Ok(counted == 1)
     }
 
+    /// One statement for all of them, in key order, so two processes' passes take the
+    /// checkpoint rows' locks in the same order.
     async fn advance_checkpoints(&mut self, checkpoints: &[Checkpoint]) -> Result<(), StorageError> {
         if checkpoints.is_empty() {
             return Ok(());
