@@ -195,6 +195,29 @@ impl<'c> SqlitePort<'c> {
         Ok(())
     }
 
+    /// Writes events of one tenant, numbered next in its sequence. The only writer: numbering as
+    /// it writes is numbering in commit order, and a rolled-back savepoint takes its numbers back
+    /// with its events.
+    fn write_events(&self, events: &[NewEvent]) -> Result<(), StorageError> {
+        let Some(first) = events.first() else { return Ok(()) };
+        let n = events.len() as i64;
+        let last: i64 = self
+            .conn
+            .prepare_cached(
+                "INSERT INTO event_seqs (tenant_id, last) VALUES (?1, ?2)
+                 ON CONFLICT (tenant_id) DO UPDATE SET last = last + excluded.last RETURNING last",
+            )?
+            .query_row(params![first.tenant, n], |row| row.get(0))?;
+        let mut insert = self.conn.prepare_cached(
+            "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        )?;
+        for (e, seq) in events.iter().zip(last - n + 1..) {
+            insert.execute(params![new_event_id(), e.tenant, seq, e.kind.as_str(), e.ordering_key, e.at, e.data])?;
+            crate::events::written_now(e.kind);
+        }
+        Ok(())
+    }
+
     /// The resource rows of these `(tenant, key)` pairs that exist, as batch admission judges them.
     pub fn admission_rows<'k>(
         &self,
@@ -663,30 +686,18 @@ impl Port for SqlitePort<'_> {
                 o.at
             ])?;
         }
-        for event in &w.events {
-            self.emit(event).await?;
+        // A run of one tenant's events takes its numbers with one bump of its sequence.
+        let mut rest = w.events.as_slice();
+        while let Some(first) = rest.first() {
+            let run = rest.iter().take_while(|e| e.tenant == first.tenant).count();
+            self.write_events(&rest[..run])?;
+            rest = &rest[run..];
         }
         Ok(())
     }
 
     async fn emit(&mut self, e: &NewEvent) -> Result<(), StorageError> {
-        // The only writer: numbering as it writes is numbering in commit order, and a rolled-back
-        // savepoint takes its numbers back with its events.
-        let seq: i64 = self
-            .conn
-            .prepare_cached(
-                "INSERT INTO event_seqs (tenant_id, last) VALUES (?1, 1)
-                 ON CONFLICT (tenant_id) DO UPDATE SET last = last + 1 RETURNING last",
-            )?
-            .query_row(params![e.tenant], |row| row.get(0))?;
-        self.conn
-            .prepare_cached(
-                "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            )?
-            .execute(params![new_event_id(), e.tenant, seq, e.kind.as_str(), e.ordering_key, e.at, e.data])?;
-        crate::events::written_now(e.kind);
-        Ok(())
+        self.write_events(std::slice::from_ref(e))
     }
 
     async fn stock(&mut self, tenant: &str, key: &str) -> Result<Option<Stock>, StorageError> {
