@@ -16,6 +16,7 @@ use super::orders::{new_reservation, order_response};
 use super::port::{BatchWrites, Claim, Counts, LedgerRow, LockedRows, NewReservation, Outcome, Port, RowWrite};
 use crate::engine::admission::{self, Row as AdmissionRow};
 use crate::engine::OrderStatus;
+use crate::events::Stock;
 use crate::storage::rules::{new_request_id, reservation_lines_json};
 use crate::storage::{Idempotent, OrderExecution, OrderJob, StorageError};
 
@@ -145,11 +146,14 @@ pub async fn admit<P: Port>(
     // One global order for the row writes, so two batches never wait on each other in a cycle.
     writes.rows.sort_by(|a, b| (&a.tenant, &a.key).cmp(&(&b.tenant, &b.key)));
     port.write_batch(&writes).await?;
-    // Stock events once per changed row, after the batch's orders: within a batch admission
-    // only takes stock, so the band a row ends in is the last it passed through.
-    for row in &writes.rows {
-        let now_ms = row.at;
-        events::observe_stock(port, &row.tenant, &row.key, now_ms).await?;
+    // Stock events once per changed row, after the batch's orders, judged from the row as the
+    // batch left it (no read): within a batch admission only takes stock, so the band a row
+    // ends in is the last it passed through.
+    for write in &writes.rows {
+        if let Some(row) = rows.get(&write.tenant).and_then(|r| r.get(&write.key)) {
+            let stock = Stock { available: row.available, low_stock: row.low_stock, band: row.stock };
+            events::stock_moved(port, &write.tenant, &write.key, stock, write.at).await?;
+        }
     }
     Ok(out)
 }

@@ -7,7 +7,7 @@ use serde_json::json;
 
 use super::port::{NewReservation, Port};
 use crate::engine::{Reservation, ReservationLine, ReservationState};
-use crate::events::{order_key, resource_key, EventType, NewEvent, StockBand};
+use crate::events::{order_key, resource_key, EventType, NewEvent, Stock, StockBand};
 use crate::storage::StorageError;
 use crate::time::Timestamp;
 
@@ -74,6 +74,17 @@ pub fn held_event(row: &NewReservation, now_ms: i64) -> Result<NewEvent, Storage
 /// `resource.restocked`) and stores the new band. A change within a band emits nothing.
 pub async fn observe_stock<P: Port>(port: &mut P, tenant: &str, key: &str, now_ms: i64) -> Result<(), StorageError> {
     let Some(stock) = port.stock(tenant, key).await? else { return Ok(()) };
+    stock_moved(port, tenant, key, stock, now_ms).await
+}
+
+/// [`observe_stock`] of a resource whose stock the caller knows (`stock.band`: as stored).
+pub async fn stock_moved<P: Port>(
+    port: &mut P,
+    tenant: &str,
+    key: &str,
+    stock: Stock,
+    now_ms: i64,
+) -> Result<(), StorageError> {
     let band = StockBand::of(stock.available, stock.low_stock);
     if band == stock.band {
         return Ok(());

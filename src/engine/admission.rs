@@ -30,6 +30,10 @@ pub struct Row {
     pub reserved: i64,
     pub consumed: i64,
     pub version: i64,
+    /// The low-stock threshold and the stock band last stored (for the stock events of the
+    /// batch's changes, judged without reading the row again).
+    pub low_stock: Option<i64>,
+    pub stock: crate::events::StockBand,
 }
 
 impl Row {
@@ -148,6 +152,8 @@ mod tests {
             reserved: 0,
             consumed: 0,
             version: 1,
+            low_stock: None,
+            stock: crate::events::StockBand::Ok,
         }
     }
 

@@ -179,12 +179,15 @@ async fn a_bucketed_resource_is_sold_out_when_all_its_buckets_are() {
 }
 
 /// Proves a hot resource under concurrent orders (decided together by batch admission) emits one
-/// `order.applied` per sale and exactly one `resource.sold_out`, after the last sale.
+/// `order.applied` per sale, exactly one `resource.low_stock` and one `resource.sold_out`, after
+/// the last sale.
 #[tokio::test]
 async fn concurrent_orders_on_a_hot_resource_emit_one_sold_out() {
     let app = spawn_app().await;
     let shop = app.create_tenant("shop").await;
-    shop.create_resource("hot", 20).await;
+    shop.post("/v1/resources", &json!({"key": "hot", "kind": "inventory", "total": 20, "low_stock": 5}))
+        .await
+        .expect_json(201);
     let replies = join_all((0..40).map(|i| {
         let shop = shop.clone();
         async move { shop.order(&format!("k{i}"), &deduct(&format!("ORD-{i}"), &[("hot", 1)])).await }
@@ -198,6 +201,10 @@ async fn concurrent_orders_on_a_hot_resource_emit_one_sold_out() {
     let sold_out: Vec<usize> =
         events.iter().enumerate().filter(|(_, e)| e["type"] == "resource.sold_out").map(|(i, _)| i).collect();
     assert_eq!(sold_out.len(), 1, "{:?}", types(&events));
+    let low: Vec<usize> =
+        events.iter().enumerate().filter(|(_, e)| e["type"] == "resource.low_stock").map(|(i, _)| i).collect();
+    assert_eq!(low.len(), 1, "{:?}", types(&events));
+    assert!(low[0] < sold_out[0], "low stock before sold out: {:?}", types(&events));
     assert!(sold_out[0] > 0 && events[..sold_out[0]].iter().filter(|e| e["type"] == "order.applied").count() == 20);
 }
 

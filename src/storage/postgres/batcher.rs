@@ -404,7 +404,8 @@ async fn lock_declared_rows(
     // In a locking SELECT the sort runs first and rows are locked as they leave it, so the
     // locks are taken in this order.
     sqlx::query(
-        "SELECT r.tenant_id, r.key, r.kind, r.status, r.mode, r.buckets, r.available, r.reserved, r.consumed, r.version
+        "SELECT r.tenant_id, r.key, r.kind, r.status, r.mode, r.buckets, r.available, r.reserved, r.consumed, r.version,
+                r.low_stock, r.stock
          FROM resources r
          JOIN UNNEST($1::text[], $2::text[]) AS wanted (tenant_id, key)
            ON r.tenant_id = wanted.tenant_id AND r.key = wanted.key

@@ -153,6 +153,8 @@ pub fn locked_rows(rows: &[PgRow]) -> Result<LockedRows, StorageError> {
             reserved: row.try_get("reserved")?,
             consumed: row.try_get("consumed")?,
             version: row.try_get("version")?,
+            low_stock: row.try_get("low_stock")?,
+            stock: StockBand::from_db(row.try_get("stock")?).ok_or_else(|| corrupt("resources.stock"))?,
         };
         locked.entry(row.try_get("tenant_id")?).or_default().insert(row.try_get("key")?, parsed);
     }

@@ -225,7 +225,7 @@ impl<'c> SqlitePort<'c> {
     ) -> Result<LockedRows, StorageError> {
         let mut rows = LockedRows::new();
         let mut statement = self.conn.prepare_cached(
-            "SELECT kind, status, mode, buckets, available, reserved, consumed, version
+            "SELECT kind, status, mode, buckets, available, reserved, consumed, version, low_stock, stock
              FROM resources WHERE tenant_id = ?1 AND key = ?2",
         )?;
         for (tenant, key) in wanted {
@@ -243,10 +243,15 @@ impl<'c> SqlitePort<'c> {
                         row.get(5)?,
                         row.get(6)?,
                         row.get(7)?,
+                        row.get::<_, Option<i64>>(8)?,
+                        row.get::<_, String>(9)?,
                     ))
                 })
                 .optional()?;
-            let Some((kind, status, mode, buckets, available, reserved, consumed, version)) = row else { continue };
+            let Some((kind, status, mode, buckets, available, reserved, consumed, version, low_stock, stock)) = row
+            else {
+                continue;
+            };
             let parsed = AdmissionRow {
                 kind: Kind::from_db(&kind).ok_or_else(|| corrupt("resources.kind"))?,
                 active: status == ResourceStatus::Active.as_str(),
@@ -256,6 +261,8 @@ impl<'c> SqlitePort<'c> {
                 reserved,
                 consumed,
                 version,
+                low_stock,
+                stock: StockBand::from_db(&stock).ok_or_else(|| corrupt("resources.stock"))?,
             };
             rows.entry(tenant.to_string()).or_default().insert(key.to_string(), parsed);
         }
