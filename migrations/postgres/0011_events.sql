@@ -3,7 +3,7 @@
 -- rolled back is ever seen. Delivery (the feed, webhooks, the broker sink) reads from here.
 --
 -- `seq` is the tenant's own monotonic sequence. A transaction inserts its events with seq NULL
--- and numbers them just before COMMIT (src/storage/postgres/events.rs), holding the tenant's
+-- and numbers them (found by id) just before COMMIT (src/storage/postgres/events.rs), holding the tenant's
 -- `event_seqs` row until then: tenants' transactions commit their events in sequence order, so a
 -- reader paging `seq > after` never skips one that commits later with a lower number. Committed
 -- rows always have a seq; only the writing transaction ever sees a NULL.
@@ -17,7 +17,6 @@ CREATE TABLE events (
     data          TEXT NOT NULL                -- the payload, a JSON object
 );
 CREATE UNIQUE INDEX events_feed ON events (tenant_id, seq);
-CREATE INDEX events_unsealed ON events (tenant_id) WHERE seq IS NULL;
 CREATE INDEX events_by_age ON events (at);
 
 CREATE TABLE event_seqs (

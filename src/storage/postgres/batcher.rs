@@ -282,7 +282,8 @@ async fn run_batch(
     // No retry when no connection comes within `acquire_timeout`: the pool has already waited
     // (and retried connecting) that long, and callers should hear `Unavailable` promptly.
     let mut conn = acquire(pool).await.map_err(BatchFailure::Final)?;
-    match tokio::time::timeout(ATTEMPT_DEADLINE, attempt(&mut conn, batch, rows, admission)).await {
+    let attempt = super::events::WRITTEN.scope(Default::default(), attempt(&mut conn, batch, rows, admission));
+    match tokio::time::timeout(ATTEMPT_DEADLINE, attempt).await {
         Ok(result) => result,
         Err(_) => {
             // The connection stopped answering mid-statement. It must never serve anyone else,
@@ -316,9 +317,13 @@ async fn attempt(
             continue;
         }
         let mut savepoint = Connection::begin(&mut *tx).await.map_err(BatchFailure::of)?;
+        let mark = super::events::mark();
         match job.run(&mut savepoint).await {
             Ran::Kept => savepoint.commit().await.map_err(BatchFailure::of)?,
-            Ran::Failed => savepoint.rollback().await.map_err(BatchFailure::of)?,
+            Ran::Failed => {
+                super::events::rollback_to(mark);
+                savepoint.rollback().await.map_err(BatchFailure::of)?
+            }
             Ran::Transient(why) => {
                 drop(savepoint);
                 // Best effort: if the connection is gone, the server has rolled back already.

@@ -750,6 +750,7 @@ impl Port for PgPort<'_> {
             items.iter().map(f).collect()
         }
         let (c, l, r, o, ev) = (&w.rows, &w.ledger, &w.reservations, &w.outcomes, &w.events);
+        let ids: Vec<String> = ev.iter().map(|_| new_event_id()).collect();
         let counts = sqlx::query(
             "WITH written AS (
                 UPDATE resources r SET available = u.available, reserved = u.reserved, consumed = u.consumed,
@@ -822,7 +823,7 @@ impl Port for PgPort<'_> {
         .bind(col(o, |x| i32::from(x.response.status)))
         .bind(col(o, |x| x.response.content_type.as_str()))
         .bind(col(o, |x| x.response.body.clone()))
-        .bind(ev.iter().map(|_| new_event_id()).collect::<Vec<_>>())
+        .bind(&ids)
         .bind(col(ev, |x| x.tenant.clone()))
         .bind(col(ev, |x| x.kind.as_str()))
         .bind(col(ev, |x| x.ordering_key.clone()))
@@ -848,14 +849,15 @@ impl Port for PgPort<'_> {
                 )));
             }
         }
-        Ok(())
+        super::events::written(ids.into_iter().zip(ev.iter().map(|e| e.tenant.clone())))
     }
 
     /// Inserted unnumbered: the batcher numbers the transaction's events just before its COMMIT
     /// ([`super::events::seal`]), so a tenant's events commit in sequence order.
     async fn emit(&mut self, e: &NewEvent) -> Result<(), StorageError> {
+        let id = new_event_id();
         sqlx::query("INSERT INTO events (id, tenant_id, type, ordering_key, at, data) VALUES ($1, $2, $3, $4, $5, $6)")
-            .bind(new_event_id())
+            .bind(&id)
             .bind(&e.tenant)
             .bind(e.kind.as_str())
             .bind(&e.ordering_key)
@@ -863,7 +865,7 @@ impl Port for PgPort<'_> {
             .bind(&e.data)
             .execute(&mut *self.conn)
             .await?;
-        Ok(())
+        super::events::written([(id, e.tenant.clone())])
     }
 
     async fn stock(&mut self, tenant: &str, key: &str) -> Result<Option<Stock>, StorageError> {
