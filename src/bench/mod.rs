@@ -54,6 +54,9 @@ pub struct BenchArgs {
     /// Target an already running server on 127.0.0.1 instead of starting one (no baselines, no RSS).
     #[arg(long)]
     pub url: Option<String>,
+    /// The `--url` server's process id, to report its CPU time per operation and its RSS.
+    #[arg(long)]
+    pub server_pid: Option<u32>,
     /// Admin token of the `--url` server.
     #[arg(long, env = "STOCKD_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
@@ -134,6 +137,11 @@ pub struct ScenarioResult {
     pub invariants_ok: bool,
     pub violations: Vec<String>,
     pub server_peak_rss_kib: Option<u64>,
+    /// The server's CPU time (user + system) over the scenario's load, per successful operation:
+    /// far less sensitive to a shared machine than ok/s, so the figure to compare builds by.
+    /// `None` when the bench cannot see the server's process (`--url` without `--server-pid`) or
+    /// the scenario does not load the server (the baselines).
+    pub server_cpu_us_per_op: Option<f64>,
     pub ratio_to_ceiling: Option<f64>,
     pub ratio_to_row_lock: Option<f64>,
     pub ratio_to_guarded_per_request: Option<f64>,
@@ -179,6 +187,7 @@ fn summarize(
         invariants_ok: violations.is_empty(),
         violations,
         server_peak_rss_kib: rss,
+        server_cpu_us_per_op: None,
         ratio_to_ceiling: None,
         ratio_to_row_lock: None,
         ratio_to_guarded_per_request: None,
@@ -222,7 +231,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         bail!("--clients and --duration-secs must be positive");
     }
     let mut server = match &args.url {
-        Some(url) => Server::external(url, args.admin_token.clone())?,
+        Some(url) => Server::external(url, args.admin_token.clone())?.with_pid(args.server_pid),
         None => Server::start(args.backend, &args.database_url).await?,
     };
     eprintln!(
@@ -266,17 +275,25 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
             Scenario::Http(w) => {
                 eprintln!("bench: {} ...", w.name());
                 load::create_resources(&target, *w).await.with_context(|| format!("setting up {}", w.name()))?;
+                let cpu = server.cpu_us();
                 let stats = load::run(&target, *w, args.clients, duration).await?;
+                let cpu = cpu_per_op(cpu, server.cpu_us(), stats.ok);
                 let violations =
                     load::check(&target, *w, &stats).await.with_context(|| format!("checking {}", w.name()))?;
-                results.push(summarize(w.name(), args, stats, violations, server.peak_rss_kib()));
+                let mut row = summarize(w.name(), args, stats, violations, server.peak_rss_kib());
+                row.server_cpu_us_per_op = cpu;
+                results.push(row);
             }
             Scenario::RedisHotKey => {
                 eprintln!("bench: {} ...", redis_hot::NAME);
                 redis_hot::create_resource(&target).await?;
+                let cpu = server.cpu_us();
                 let stats = redis_hot::run(&target, args.clients, duration).await?;
+                let cpu = cpu_per_op(cpu, server.cpu_us(), stats.ok);
                 let violations = redis_hot::check(&target, &stats).await?;
-                results.push(summarize(redis_hot::NAME, args, stats, violations, server.peak_rss_kib()));
+                let mut row = summarize(redis_hot::NAME, args, stats, violations, server.peak_rss_kib());
+                row.server_cpu_us_per_op = cpu;
+                results.push(row);
             }
             Scenario::NoisyNeighbour(fuel_burner) => {
                 let outcome = noisy::run(server, fuel_burner, duration).await.context("running noisy-neighbour")?;
@@ -298,6 +315,12 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
         }
     }
     Ok(results)
+}
+
+/// CPU µs per successful operation between two readings of the server's CPU time.
+fn cpu_per_op(before: Option<u64>, after: Option<u64>, ok: u64) -> Option<f64> {
+    let spent = after?.checked_sub(before?)?;
+    (ok > 0).then(|| spent as f64 / ok as f64)
 }
 
 fn add_ratios(results: &mut [ScenarioResult]) {
@@ -351,7 +374,7 @@ fn print_table(results: &[ScenarioResult]) {
 
 fn print_main_table(results: &[&ScenarioResult]) {
     println!(
-        "{:<20} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  rejections",
+        "{:<20} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  rejections",
         "scenario",
         "ok/s",
         "p50 ms",
@@ -359,6 +382,7 @@ fn print_main_table(results: &[&ScenarioResult]) {
         "p99 ms",
         "max ms",
         "rss MiB",
+        "cpu us/op",
         "xceil",
         "xrowlock",
         "xguarded",
@@ -367,7 +391,7 @@ fn print_main_table(results: &[&ScenarioResult]) {
     );
     for r in results {
         println!(
-            "{:<20} {:>10.0} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  {}",
+            "{:<20} {:>10.0} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  {}",
             r.scenario,
             r.ok_per_sec,
             ms(r.p50_us),
@@ -375,6 +399,7 @@ fn print_main_table(results: &[&ScenarioResult]) {
             ms(r.p99_us),
             ms(r.max_us),
             r.server_peak_rss_kib.map_or_else(|| "-".into(), |k| format!("{:.1}", k as f64 / 1024.0)),
+            r.server_cpu_us_per_op.map_or_else(|| "-".into(), |us| format!("{us:.1}")),
             ratio(r.ratio_to_ceiling),
             ratio(r.ratio_to_row_lock),
             ratio(r.ratio_to_guarded_per_request),

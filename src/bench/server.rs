@@ -39,6 +39,18 @@ pub struct Server {
     pg_drop: Option<(String, String)>,
 }
 
+/// A process's CPU time so far (user + system, µs): fields 14 and 15 of `/proc/<pid>/stat`,
+/// counted after the command name (which may hold spaces and parentheses).
+pub fn cpu_us_of(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().collect();
+    // After the name: field 3 (state) is index 0, so utime (14) is 11 and stime (15) is 12.
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let per_second = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok().filter(|t| *t > 0)?;
+    Some(ticks.saturating_mul(1_000_000) / per_second)
+}
+
 /// A random lowercase hex string of `bytes` random bytes.
 pub fn random_hex(bytes: usize) -> String {
     let raw: Vec<u8> = (0..bytes).map(|_| rand::random::<u8>()).collect();
@@ -66,6 +78,12 @@ impl Server {
         }
         let admin_token = admin_token.context("--url needs --admin-token (or STOCKD_ADMIN_TOKEN)")?;
         Ok(Self { base, admin_token, pid: None, db: None, child: None, temp_dir: None, pg_drop: None })
+    }
+
+    /// Measures the CPU time and RSS of the process `pid` (an external server's).
+    pub fn with_pid(mut self, pid: Option<u32>) -> Self {
+        self.pid = self.pid.or(pid);
+        self
     }
 
     /// Starts `stockd serve` as a child process on a fresh database and waits until it listens.
@@ -139,6 +157,11 @@ impl Server {
     }
 
     /// Peak resident set size of the server so far (VmHWM), in KiB.
+    /// The server's CPU time so far (user + system, µs), from `/proc/<pid>/stat`.
+    pub fn cpu_us(&self) -> Option<u64> {
+        cpu_us_of(self.pid?)
+    }
+
     pub fn peak_rss_kib(&self) -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid?)).ok()?;
         let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;

@@ -61,6 +61,15 @@ async fn a_short_bench_run_checks_its_invariants_and_reports_every_scenario() {
         assert!(text.contains(scenario), "{scenario} is in the report: {text}");
         assert!(stdout.contains(scenario), "{scenario} is in the table: {stdout}");
     }
+    // The server's CPU time per operation, for the scenarios that load it.
+    let rows = report.as_array().expect("the report is an array of rows");
+    let row = |name: &str| rows.iter().find(|r| r["scenario"] == name).cloned().unwrap_or_default();
+    for name in ["ceiling", "hot-key"] {
+        let cpu = row(name)["server_cpu_us_per_op"].as_f64();
+        assert!(cpu.is_some_and(|us| us > 0.0 && us < 1_000_000.0), "{name}: cpu µs/op {cpu:?}: {text}");
+    }
+    assert_eq!(row("row-lock")["server_cpu_us_per_op"], Value::Null, "a baseline does not load the server");
+    assert!(stdout.contains("cpu us/op"), "{stdout}");
 }
 
 /// A one-second-per-phase noisy-neighbour run uploads the fuel burner for tenant A, reports
