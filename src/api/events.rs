@@ -16,14 +16,10 @@ use tokio::time::Instant;
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use super::extract::Tenant;
+use super::extract::{page_limit, query, Tenant};
 use super::SharedState;
 use crate::engine::TenantId;
 use crate::events::{next_commit, Event, EventType};
-
-/// Events per page unless `limit` says otherwise, and the most it may say.
-const DEFAULT_LIMIT: u32 = 100;
-const MAX_LIMIT: u32 = 1000;
 
 pub fn routes() -> Router<SharedState> {
     Router::new().route("/v1/events", get(events))
@@ -129,15 +125,12 @@ pub async fn events(
     State(state): State<SharedState>,
     params: Result<Query<EventParams>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let params = params.map(|Query(p)| p).map_err(|e| ApiError::validation("query", e.body_text()))?;
+    let params = query(params)?;
     let after = params.after.unwrap_or(0);
     if after < 0 {
         return Err(ApiError::validation("after", "must be a sequence number (0 or more)"));
     }
-    let limit = match params.limit.unwrap_or(DEFAULT_LIMIT) {
-        n @ 1..=MAX_LIMIT => n,
-        _ => return Err(ApiError::validation("limit", format!("must be between 1 and {MAX_LIMIT}"))),
-    };
+    let limit = page_limit(params.limit)?;
     let settings = &state.settings.events;
     // Kept a second under the request timeout, so a poll always answers before it.
     let most = Duration::from_secs(settings.max_wait_seconds)

@@ -214,6 +214,23 @@ fn write_canonical(value: &Value, out: &mut String) {
     }
 }
 
+/// Items per page unless `limit` says otherwise, and the most it may say (every paged list).
+pub const DEFAULT_PAGE: u32 = 100;
+pub const MAX_PAGE: u32 = 1000;
+
+/// A page's `limit`: [`DEFAULT_PAGE`] when absent, else 1..=[`MAX_PAGE`] or `400`.
+pub fn page_limit(limit: Option<u32>) -> Result<u32, ApiError> {
+    match limit.unwrap_or(DEFAULT_PAGE) {
+        n @ 1..=MAX_PAGE => Ok(n),
+        _ => Err(ApiError::validation("limit", format!("must be between 1 and {MAX_PAGE}"))),
+    }
+}
+
+/// The query parameters, or `400 validation_failed` naming what is wrong with them.
+pub fn query<T>(q: Result<axum::extract::Query<T>, axum::extract::rejection::QueryRejection>) -> Result<T, ApiError> {
+    q.map(|axum::extract::Query(v)| v).map_err(|e| ApiError::validation("query", e.body_text()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

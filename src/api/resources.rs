@@ -10,16 +10,13 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use super::extract::{IdemKey, Tenant, ValidJson};
+use super::extract::{page_limit, query, IdemKey, Tenant, ValidJson};
 use super::{idempotent_response, SharedState};
 use crate::engine::{Kind, LedgerEntry, Mode, ResourceKey, ResourceState, ResourceStatus, MAX_TOTAL};
 use crate::pipeline::Refusal;
 use crate::storage::rules::MAX_BUCKETS;
 use crate::storage::NewResource;
 use crate::time::now_ms;
-
-const DEFAULT_PAGE: u32 = 100;
-const MAX_PAGE: u32 = 1000;
 
 pub fn routes() -> Router<SharedState> {
     Router::new()
@@ -131,17 +128,6 @@ pub fn resource_not_found(key: &str) -> ApiError {
 /// A key from the path. A key that could never exist is simply not found.
 fn path_key(key: &str) -> Result<ResourceKey, ApiError> {
     ResourceKey::parse(key).map_err(|e| ApiError::validation("key", e))
-}
-
-fn page_limit(limit: Option<u32>) -> Result<u32, ApiError> {
-    match limit.unwrap_or(DEFAULT_PAGE) {
-        n @ 1..=MAX_PAGE => Ok(n),
-        _ => Err(ApiError::validation("limit", format!("must be between 1 and {MAX_PAGE}"))),
-    }
-}
-
-fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
-    q.map(|Query(v)| v).map_err(|e| ApiError::validation("query", e.body_text()))
 }
 
 /// The bucket count of a new resource.

@@ -14,16 +14,13 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use super::extract::{Tenant, ValidJson};
+use super::extract::{page_limit, query, Tenant, ValidJson};
 use super::SharedState;
 use crate::events::EventType;
 use crate::time::{now_ms, Timestamp};
 use crate::webhooks::target::{self, TargetError};
 use crate::webhooks::{new_endpoint_id, Attempt, Endpoint, NewEndpoint, Redeliver, Redelivered, SigningSecret};
 
-/// Attempts per page unless `limit` says otherwise, and the most it may say.
-const DEFAULT_LIMIT: u32 = 100;
-const MAX_LIMIT: u32 = 1000;
 /// Longest rotation grace a call may ask for.
 const MAX_GRACE_SECONDS: u64 = 7 * 24 * 3600;
 /// How long creating an endpoint waits for its host to resolve.
@@ -374,11 +371,8 @@ pub async fn list_deliveries(
     params: Result<Query<DeliveryParams>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let id = path_id(&id)?;
-    let params = params.map(|Query(p)| p).map_err(|e| ApiError::validation("query", e.body_text()))?;
-    let limit = match params.limit.unwrap_or(DEFAULT_LIMIT) {
-        n @ 1..=MAX_LIMIT => n,
-        _ => return Err(ApiError::validation("limit", format!("must be between 1 and {MAX_LIMIT}"))),
-    };
+    let params = query(params)?;
+    let limit = page_limit(params.limit)?;
     let attempts =
         state.storage.webhook_attempts(&auth.tenant, id, params.before, limit).await?.ok_or_else(not_found)?;
     let next_before = (attempts.len() == limit as usize).then(|| attempts.last().map(|a| a.id)).flatten();
