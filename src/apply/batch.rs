@@ -12,12 +12,12 @@
 use std::collections::{HashMap, HashSet};
 
 use super::events;
-use super::orders::{new_reservation, order_response};
-use super::port::{BatchWrites, Claim, Counts, LedgerRow, LockedRows, NewReservation, Outcome, Port, RowWrite};
+use super::orders::{held_reservation, new_reservation, order_response};
+use super::port::{BatchWrites, Claim, Counts, LedgerRow, LockedRows, Outcome, Port, RowWrite};
 use crate::engine::admission::{self, Row as AdmissionRow};
 use crate::engine::OrderStatus;
 use crate::events::Stock;
-use crate::storage::rules::{new_request_id, reservation_lines_json};
+use crate::storage::rules::{new_request_id, reservation_lines};
 use crate::storage::{Idempotent, OrderExecution, OrderJob, StorageError};
 
 /// Whether admission may decide this order: no limits or creation, and every target it names
@@ -102,15 +102,9 @@ pub async fn admit<P: Port>(
         let mut held = None;
         if admitted.status != OrderStatus::Rejected {
             if let Some((id, expires_at)) = &reservation {
-                let row = NewReservation {
-                    tenant: job.tenant.to_string(),
-                    id: id.clone(),
-                    order_id: job.order.order_id.to_string(),
-                    lines: reservation_lines_json(job, &admitted.results, &[])?,
-                    expires_at: expires_at.0,
-                    created_at: now_ms,
-                };
-                held = Some(events::held_event(&row, now_ms)?);
+                let lines = reservation_lines(job, &admitted.results, &[]);
+                let (row, event) = held_reservation(job, id, *expires_at, lines, now_ms)?;
+                held = Some(event);
                 writes.reservations.push(row);
             }
         }

@@ -55,10 +55,8 @@ pub fn reservation_event(tenant: &str, reservation: &Reservation, now_ms: i64) -
     NewEvent::new(tenant, kind, order_key(&reservation.order_id), now_ms, &data)
 }
 
-/// `reservation.held` for a reservation row about to be inserted.
-pub fn held_event(row: &NewReservation, now_ms: i64) -> Result<NewEvent, StorageError> {
-    let lines: Vec<ReservationLine> =
-        serde_json::from_str(&row.lines).map_err(|e| StorageError::Internal(format!("reservation lines: {e}")))?;
+/// `reservation.held` for a reservation row about to be inserted, with its `lines`.
+pub fn held_event(row: &NewReservation, lines: Vec<ReservationLine>, now_ms: i64) -> NewEvent {
     let reservation = Reservation {
         id: row.id.clone(),
         order_id: row.order_id.clone(),
@@ -66,7 +64,7 @@ pub fn held_event(row: &NewReservation, now_ms: i64) -> Result<NewEvent, Storage
         lines,
         expires_at: Timestamp(row.expires_at),
     };
-    Ok(reservation_event(&row.tenant, &reservation, now_ms))
+    reservation_event(&row.tenant, &reservation, now_ms)
 }
 
 /// Judges the resource's stock again after a write changed it: when it moved to another band,

@@ -10,11 +10,13 @@ use super::events;
 use super::port::{Change, Entry, Gate, Move, NewReservation, Port, Row, Savepoint, View};
 use super::resources::create;
 use crate::engine::order::decide;
+use crate::engine::ReservationLine;
 use crate::engine::{
     Action, BucketTake, Kind, LedgerOp, LineResult, Mode, OrderDocument, OrderStatus, PlannedLine, Reason,
     ResourceStatus, Target, TenantId,
 };
-use crate::storage::rules::{bucket_seed, new_request_id, reservation_lines_json};
+use crate::events::NewEvent;
+use crate::storage::rules::{bucket_seed, new_request_id, reservation_lines};
 use crate::storage::{Idempotent, NewResource, OrderExecution, OrderJob, StorageError, StoredResponse};
 use crate::time::Timestamp;
 
@@ -130,16 +132,10 @@ pub async fn execute<P: Port>(port: &mut P, job: &OrderJob, now_ms: i64) -> Resu
     let mut held = None;
     if status != OrderStatus::Rejected {
         if let Some((id, expires_at)) = &reservation {
-            let row = NewReservation {
-                tenant: job.tenant.to_string(),
-                id: id.clone(),
-                order_id: job.order.order_id.to_string(),
-                lines: reservation_lines_json(job, &results, &takes)?,
-                expires_at: expires_at.0,
-                created_at: now_ms,
-            };
+            let (row, event) =
+                held_reservation(job, id, *expires_at, reservation_lines(job, &results, &takes), now_ms)?;
             port.insert_reservation(&row).await?;
-            held = Some(events::held_event(&row, now_ms)?);
+            held = Some(event);
         }
     }
     let response = order_response(job, &results, reservation)?;
@@ -157,6 +153,26 @@ pub async fn execute<P: Port>(port: &mut P, job: &OrderJob, now_ms: i64) -> Resu
         events::observe_all(port, tenant, touched, now_ms).await?;
     }
     Ok(OrderExecution { response: Idempotent::Fresh(response), outcome: Some((status, results)) })
+}
+
+/// A reserving order's reservation row, held, and its `reservation.held` event.
+pub(super) fn held_reservation(
+    job: &OrderJob,
+    id: &str,
+    expires_at: Timestamp,
+    lines: Vec<ReservationLine>,
+    now_ms: i64,
+) -> Result<(NewReservation, NewEvent), StorageError> {
+    let row = NewReservation {
+        tenant: job.tenant.to_string(),
+        id: id.to_string(),
+        order_id: job.order.order_id.to_string(),
+        lines: serde_json::to_string(&lines).map_err(|e| StorageError::Internal(e.to_string()))?,
+        expires_at: expires_at.0,
+        created_at: now_ms,
+    };
+    let event = events::held_event(&row, lines, now_ms);
+    Ok((row, event))
 }
 
 /// The response to a decided order: 201 with its document, or 409 when it was rejected.

@@ -137,7 +137,10 @@ async fn settle_take<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Re
                 created_at: r.at,
             };
             port.insert_reservation(&reservation).await?;
-            held = Some(events::held_event(&reservation, now_ms)?);
+            // The lines as Redis recorded them, read back for the event.
+            let lines = serde_json::from_str(&reservation.lines)
+                .map_err(|e| StorageError::Internal(format!("reservation lines: {e}")))?;
+            held = Some(events::held_event(&reservation, lines, now_ms));
         }
         if let Some(limit) = &r.lim {
             // Redis enforced the limit; the database keeps the count for the record.

@@ -80,13 +80,8 @@ pub fn previewed(target: &Target, view: Option<View>) -> Result<Option<View>, St
 
 /// The lines a reservation holds, as stored (JSON): each applied line with the resource it took
 /// from and the per-user limit it counted against, so release and expiry can give both back.
-pub fn reservation_lines_json(
-    job: &OrderJob,
-    results: &[LineResult],
-    takes: &[Vec<BucketTake>],
-) -> Result<String, StorageError> {
-    let lines: Vec<ReservationLine> = job
-        .plan
+pub fn reservation_lines(job: &OrderJob, results: &[LineResult], takes: &[Vec<BucketTake>]) -> Vec<ReservationLine> {
+    job.plan
         .lines
         .iter()
         .zip(results)
@@ -101,8 +96,7 @@ pub fn reservation_lines_json(
             }),
             LineResult::Rejected(_) => None,
         })
-        .collect();
-    serde_json::to_string(&lines).map_err(|e| StorageError::Internal(e.to_string()))
+        .collect()
 }
 
 /// The most buckets a resource may have.
