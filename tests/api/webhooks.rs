@@ -219,6 +219,24 @@ async fn eventually<F: FnMut() -> bool>(what: &str, app: &TestApp, mut done: F) 
     }
 }
 
+/// Waits until the `webhooks` job of `app` has finished two passes that began after this call
+/// (as `/readyz` reports its last successful run): whatever those passes would send is sent.
+async fn two_delivery_passes(app: &TestApp) {
+    for _ in 0..2 {
+        let since = tokio::time::Instant::now();
+        loop {
+            let ready = app.get_anonymous("/readyz").await.json();
+            let ago = ready["jobs"]["webhooks"]["last_ok_ms_ago"].as_u64();
+            // A millisecond's margin: the server counts in whole milliseconds.
+            if ago.is_some_and(|ago| u128::from(ago) + 2 < since.elapsed().as_millis()) {
+                break;
+            }
+            assert!(since.elapsed() < DEADLINE, "the webhook job runs a pass: {ready}");
+            tokio::time::sleep(POLL).await;
+        }
+    }
+}
+
 /// Waits until the receiver has a 2xx delivery of every event in the feed; returns the feed.
 async fn until_all_delivered(app: &TestApp, shop: &TenantClient, receiver: &Receiver) -> Vec<Value> {
     let deadline = tokio::time::Instant::now() + DEADLINE;
@@ -579,7 +597,7 @@ async fn a_receiver_down_for_the_whole_window_leaves_the_endpoint_failing_and_th
         log["items"].as_array().is_some_and(|i| !i.is_empty() && i.iter().all(|a| a["outcome"] == "failed")),
         "{log}"
     );
-    tokio::time::sleep(Duration::from_millis(500)).await; // a quiet spell to show nothing is sent
+    two_delivery_passes(&app).await;
     assert_eq!(receiver.all().len(), attempts, "a failing endpoint gets nothing");
 
     // A failing receiver is not the server's health.
@@ -658,8 +676,9 @@ async fn two_processes_deliver_each_event_once() {
     }
     let events = until_all_delivered(&app, &shop, &receiver).await;
     assert_eq!(events.len(), 20);
-    // A quiet spell in which a second sender, if there were one, would show.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Both processes' jobs pass twice more: a second sender, if there were one, would show.
+    two_delivery_passes(&app).await;
+    two_delivery_passes(&sibling).await;
     let all = receiver.all();
     let ids: BTreeSet<&str> = all.iter().map(|r| r.id.as_str()).collect();
     assert_eq!((ids.len(), all.len()), (20, 20), "each event sent once: {all:#?}");
