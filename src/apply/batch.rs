@@ -13,12 +13,77 @@ use std::collections::{HashMap, HashSet};
 
 use super::events;
 use super::orders::{held_reservation, new_reservation, order_response};
-use super::port::{BatchWrites, Claim, Counts, LedgerRow, LockedRows, Outcome, Port, RowWrite};
+use super::port::{BatchWrites, Claim, Counts, HeldMove, LedgerRow, LockedRows, Outcome, Port, RowWrite};
 use crate::engine::admission::{self, Row as AdmissionRow};
-use crate::engine::OrderStatus;
-use crate::events::Stock;
+use crate::engine::{LedgerOp, OrderStatus, Reservation, ReservationState, TenantId};
+use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::rules::{new_request_id, reservation_lines};
-use crate::storage::{Idempotent, OrderExecution, OrderJob, StorageError};
+use crate::storage::{Idempotent, OrderExecution, OrderJob, StorageError, Transition};
+
+/// A reservation's confirm (`to`: confirmed) or release (`to`: released), queued with a batch.
+#[derive(Debug, Clone)]
+pub struct MoveJob {
+    pub tenant: TenantId,
+    pub id: String,
+    pub to: ReservationState,
+}
+
+/// What admission decided: per order and per move, in the order given; `None` is left to the
+/// per-request path.
+#[derive(Debug, Default)]
+pub struct Decided {
+    pub orders: Vec<Option<OrderExecution>>,
+    pub moves: Vec<Option<Transition>>,
+}
+
+/// Reads the reservations of a batch's moves, locked where several processes write (in one
+/// global order, before any resource row), one answer per move. The resources their lines name
+/// are read with the batch's other rows (see [`move_resources`]).
+pub async fn read_moves<P: Port>(
+    port: &mut P,
+    moves: &[(&MoveJob, i64)],
+) -> Result<Vec<Option<Reservation>>, StorageError> {
+    if moves.is_empty() {
+        return Ok(Vec::new());
+    }
+    let wanted: Vec<(&str, &str)> = moves.iter().map(|(m, _)| (m.tenant.as_str(), m.id.as_str())).collect();
+    port.lock_reservations(&wanted).await
+}
+
+/// The `(tenant, resource)` rows the held reservations among `found` move.
+pub fn move_resources<'a>(
+    moves: &'a [(&MoveJob, i64)],
+    found: &'a [Option<Reservation>],
+) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
+    moves.iter().zip(found).flat_map(|((m, _), r)| {
+        r.iter()
+            .filter(|r| r.state == ReservationState::Held)
+            .flat_map(move |r| r.lines.iter().map(move |l| (m.tenant.as_str(), l.resource.as_str())))
+    })
+}
+
+/// Where the batch's rows stand for their stock events: each change is judged against the band
+/// the row was in just before it, so the events are those of deciding the batch's writes one
+/// after another (as the per-request path emits them), crossings within the batch included.
+fn crossings(
+    tenant: &str,
+    rows: &mut LockedRows,
+    keys: impl IntoIterator<Item = String>,
+    at: i64,
+    out: &mut Vec<NewEvent>,
+) {
+    let mut keys: Vec<String> = keys.into_iter().collect();
+    keys.sort_unstable();
+    keys.dedup();
+    for key in keys {
+        let Some(row) = rows.get_mut(tenant).and_then(|r| r.get_mut(&key)) else { continue };
+        let stock = Stock { available: row.available, low_stock: row.low_stock, band: row.stock };
+        if let Some((band, emitted)) = events::stock_events(tenant, &key, stock, at) {
+            out.extend(emitted);
+            row.stock = band;
+        }
+    }
+}
 
 /// Whether admission may decide this order: no limits or creation, and every target it names
 /// that exists is a single-bucket, database-mode row the batch read.
@@ -31,16 +96,24 @@ fn eligible(job: &OrderJob, rows: &LockedRows) -> bool {
             .all(|key| tenant_rows.and_then(|r| r.get(key.as_str())).is_none_or(AdmissionRow::admissible))
 }
 
-/// Decides the batch's orders (see the module docs) against `rows`, the resource rows of every
-/// order's plan as the batch read them. Runs inside the caller's transaction: on any error
-/// nothing of it may stand.
+/// Decides the batch's orders, then its reservation moves (see the module docs), against
+/// `rows`: the resource rows of every order's plan and every held reservation's lines, as the
+/// batch read them; `found`: each move's reservation as [`read_moves`] read it. Runs inside the
+/// caller's transaction: on any error nothing of it may stand.
 pub async fn admit<P: Port>(
     port: &mut P,
     jobs: &[(&OrderJob, i64)],
+    moves: &[(&MoveJob, i64)],
+    found: Vec<Option<Reservation>>,
     mut rows: LockedRows,
-) -> Result<Vec<Option<OrderExecution>>, StorageError> {
-    let read_at: HashMap<(String, String), i64> =
-        rows.iter().flat_map(|(t, keys)| keys.iter().map(move |(k, r)| ((t.clone(), k.clone()), r.version))).collect();
+) -> Result<Decided, StorageError> {
+    if found.len() != moves.len() {
+        return Err(StorageError::Internal("a batch read a different number of reservations".into()));
+    }
+    let read_at: HashMap<(String, String), (i64, StockBand)> = rows
+        .iter()
+        .flat_map(|(t, keys)| keys.iter().map(move |(k, r)| ((t.clone(), k.clone()), (r.version, r.stock))))
+        .collect();
     let mut seen = HashSet::new();
     let candidates: Vec<usize> = (0..jobs.len())
         .filter(|&i| {
@@ -50,21 +123,21 @@ pub async fn admit<P: Port>(
         .collect();
     let keys: Vec<_> = candidates.iter().map(|&i| (&jobs[i].0.tenant, &jobs[i].0.idempotency)).collect();
     let now_ms = jobs.iter().map(|(_, at)| *at).max().unwrap_or(0);
-    let claims = port.claim_keys(&keys, now_ms).await?;
+    let claims = if keys.is_empty() { Vec::new() } else { port.claim_keys(&keys, now_ms).await? };
     if claims.len() != candidates.len() {
         return Err(StorageError::Internal("a batch claim answered a different number of keys".into()));
     }
 
-    let mut out: Vec<Option<OrderExecution>> = vec![None; jobs.len()];
+    let mut out = Decided { orders: vec![None; jobs.len()], moves: vec![None; moves.len()] };
     let mut writes = BatchWrites::default();
-    // Each changed row's time: that of the last order that changed it.
+    // Each changed row's time: that of the last write that changed it.
     let mut changed_at: HashMap<(String, String), i64> = HashMap::new();
     for (i, claim) in candidates.into_iter().zip(claims) {
         let (job, now_ms) = jobs[i];
         match claim {
             Claim::Ours => {}
             Claim::Answered(previous) => {
-                out[i] = Some(OrderExecution { response: previous, outcome: None });
+                out.orders[i] = Some(OrderExecution { response: previous, outcome: None });
                 continue;
             }
             Claim::Unsure => continue,
@@ -89,13 +162,14 @@ pub async fn admit<P: Port>(
                 tenant: job.tenant.to_string(),
                 resource: change.resource.clone(),
                 line_key,
+                limit_key: None,
                 op: change.op,
                 qty: change.qty,
                 request_id: request_id.clone(),
                 order_id: job.order.order_id.to_string(),
                 reservation_id: reservation.as_ref().map(|(id, _)| id.clone()),
                 after: Counts { available, reserved, consumed, version: change.version_after },
-                plugin_version: job.plan.planner.version,
+                plugin_version: Some(job.plan.planner.version),
                 at: now_ms,
             });
         }
@@ -113,6 +187,8 @@ pub async fn admit<P: Port>(
             let (tenant, order_id) = (job.tenant.as_str(), job.order.order_id.as_str());
             writes.events.push(events::order_applied_event(tenant, order_id, &response.body, now_ms));
             writes.events.extend(held);
+            let changed = admitted.changes.iter().map(|c| c.resource.clone());
+            crossings(tenant, &mut rows, changed, now_ms, &mut writes.events);
         }
         writes.outcomes.push(Outcome {
             tenant: job.tenant.to_string(),
@@ -121,33 +197,97 @@ pub async fn admit<P: Port>(
             response: response.clone(),
             at: now_ms,
         });
-        out[i] = Some(OrderExecution {
+        out.orders[i] = Some(OrderExecution {
             response: Idempotent::Fresh(response),
             outcome: Some((admitted.status, admitted.results)),
         });
     }
+    let mut moved = HashSet::new();
+    for (m, ((job, now_ms), reservation)) in moves.iter().zip(found).enumerate() {
+        let (tenant, now_ms) = (job.tenant.as_str(), *now_ms);
+        // A second move of one reservation in the batch is judged on its own, after this one.
+        if !moved.insert((tenant, job.id.as_str())) {
+            continue;
+        }
+        let Some(mut reservation) = reservation else {
+            out.moves[m] = Some(Transition::NotFound);
+            continue;
+        };
+        let confirming = match job.to {
+            ReservationState::Confirmed => true,
+            ReservationState::Released => false,
+            other => return Err(StorageError::Internal(format!("a reservation cannot be moved to {other:?}"))),
+        };
+        // The rules of `reservations::transition`: past its deadline but not yet swept, a held
+        // reservation being confirmed is expired instead.
+        let to = match reservation.state {
+            ReservationState::Held if confirming && reservation.expires_at.0 <= now_ms => ReservationState::Expired,
+            ReservationState::Held => job.to,
+            ReservationState::Confirmed if confirming => {
+                out.moves[m] = Some(Transition::Done(reservation));
+                continue;
+            }
+            ReservationState::Released | ReservationState::Expired if !confirming => {
+                out.moves[m] = Some(Transition::Done(reservation));
+                continue;
+            }
+            state => {
+                out.moves[m] = Some(Transition::Refused(state, reservation));
+                continue;
+            }
+        };
+        let op = match to {
+            ReservationState::Confirmed => LedgerOp::Confirm,
+            ReservationState::Expired => LedgerOp::Expire,
+            _ => LedgerOp::Release,
+        };
+        let Some(tenant_rows) = rows.get_mut(tenant) else { continue };
+        let Some(changes) = admission::move_held(tenant_rows, &reservation.lines, op) else { continue };
+        for change in &changes {
+            changed_at.insert((tenant.to_string(), change.resource.clone()), now_ms);
+            let line = &reservation.lines[change.line];
+            let [available, reserved, consumed] = change.after;
+            writes.ledger.push(LedgerRow {
+                tenant: tenant.to_string(),
+                resource: change.resource.clone(),
+                line_key: line.key.clone(),
+                limit_key: line.limit_key.clone(),
+                op,
+                qty: change.qty,
+                request_id: reservation.id.clone(),
+                order_id: reservation.order_id.clone(),
+                reservation_id: Some(reservation.id.clone()),
+                after: Counts { available, reserved, consumed, version: change.version_after },
+                plugin_version: None,
+                at: now_ms,
+            });
+        }
+        writes.moves.push(HeldMove { tenant: tenant.to_string(), id: reservation.id.clone(), to, at: now_ms });
+        metrics::counter!("stockd_moves_admitted_in_batch_total").increment(1);
+        reservation.state = to;
+        writes.events.push(events::reservation_event(tenant, &reservation, now_ms));
+        let changed = changes.iter().map(|c| c.resource.clone());
+        crossings(tenant, &mut rows, changed, now_ms, &mut writes.events);
+        out.moves[m] = Some(if to == ReservationState::Expired {
+            metrics::counter!("stockd_reservations_expired_total").increment(1);
+            Transition::Refused(ReservationState::Expired, reservation)
+        } else {
+            Transition::Done(reservation)
+        });
+    }
     // The rows the kept changes touched, each written once as admission left it.
     for ((tenant, key), at) in changed_at {
-        let (Some(row), Some(&read_version)) =
+        let (Some(row), Some(&(read_version, _))) =
             (rows.get(&tenant).and_then(|r| r.get(&key)), read_at.get(&(tenant.clone(), key.clone())))
         else {
             return Err(StorageError::Internal(format!("batch admission changed {key}, a row it did not read")));
         };
         let after =
             Counts { available: row.available, reserved: row.reserved, consumed: row.consumed, version: row.version };
-        writes.rows.push(RowWrite { tenant, key, after, read_version, at });
+        writes.rows.push(RowWrite { tenant, key, after, read_version, stock: row.stock, at });
     }
     // One global order for the row writes, so two batches never wait on each other in a cycle.
     writes.rows.sort_by(|a, b| (&a.tenant, &a.key).cmp(&(&b.tenant, &b.key)));
     port.write_batch(&writes).await?;
-    // Stock events once per changed row, after the batch's orders, judged from the row as the
-    // batch left it (no read): within a batch admission only takes stock, so the band a row
-    // ends in is the last it passed through.
-    for write in &writes.rows {
-        if let Some(row) = rows.get(&write.tenant).and_then(|r| r.get(&write.key)) {
-            let stock = Stock { available: row.available, low_stock: row.low_stock, band: row.stock };
-            events::stock_moved(port, &write.tenant, &write.key, stock, write.at).await?;
-        }
-    }
     Ok(out)
 }

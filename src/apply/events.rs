@@ -83,18 +83,33 @@ pub async fn stock_moved<P: Port>(
     stock: Stock,
     now_ms: i64,
 ) -> Result<(), StorageError> {
-    let band = StockBand::of(stock.available, stock.low_stock);
-    if band == stock.band {
-        return Ok(());
-    }
-    for &kind in stock.band.crossing(band, stock.low_stock) {
-        let mut data = json!({"key": key, "available": stock.available});
-        if let Some(threshold) = stock.low_stock {
-            data["low_stock"] = json!(threshold);
-        }
-        port.emit(&NewEvent::new(tenant, kind, resource_key(key), now_ms, &data)).await?;
+    let Some((band, emitted)) = stock_events(tenant, key, stock, now_ms) else { return Ok(()) };
+    for event in &emitted {
+        port.emit(event).await?;
     }
     port.set_stock(tenant, key, band).await
+}
+
+/// The band a resource's stock is in now and the events of its crossing there from the band
+/// stored, in order; `None`: it stayed within its band.
+pub fn stock_events(tenant: &str, key: &str, stock: Stock, now_ms: i64) -> Option<(StockBand, Vec<NewEvent>)> {
+    let band = StockBand::of(stock.available, stock.low_stock);
+    if band == stock.band {
+        return None;
+    }
+    let emitted = stock
+        .band
+        .crossing(band, stock.low_stock)
+        .iter()
+        .map(|&kind| {
+            let mut data = json!({"key": key, "available": stock.available});
+            if let Some(threshold) = stock.low_stock {
+                data["low_stock"] = json!(threshold);
+            }
+            NewEvent::new(tenant, kind, resource_key(key), now_ms, &data)
+        })
+        .collect();
+    Some((band, emitted))
 }
 
 /// [`observe_stock`] for each of these resources, once each, in key order.

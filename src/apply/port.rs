@@ -143,13 +143,25 @@ pub struct LedgerRow {
     pub resource: String,
     /// The order line (its key as sent) the entry applied.
     pub line_key: String,
+    /// The per-user limit the line counted against (a confirmed reservation's line).
+    pub limit_key: Option<String>,
     pub op: LedgerOp,
     pub qty: i64,
     pub request_id: String,
     pub order_id: String,
     pub reservation_id: Option<String>,
     pub after: Counts,
-    pub plugin_version: i64,
+    /// The plan's; `None` on a reservation's move.
+    pub plugin_version: Option<i64>,
+    pub at: i64,
+}
+
+/// A held reservation the batch moved to `to` (written guarded by its state still `held`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldMove {
+    pub tenant: String,
+    pub id: String,
+    pub to: ReservationState,
     pub at: i64,
 }
 
@@ -160,7 +172,9 @@ pub struct RowWrite {
     pub key: String,
     pub after: Counts,
     pub read_version: i64,
-    /// `updated_at`: the time of the order that last changed it.
+    /// Its stock band after the batch (its stock events are among the batch's events).
+    pub stock: StockBand,
+    /// `updated_at`: the time of the write that last changed it.
     pub at: i64,
 }
 
@@ -180,8 +194,10 @@ pub struct BatchWrites {
     pub rows: Vec<RowWrite>,
     pub ledger: Vec<LedgerRow>,
     pub reservations: Vec<NewReservation>,
+    /// Held reservations confirmed, released or expired.
+    pub moves: Vec<HeldMove>,
     pub outcomes: Vec<Outcome>,
-    /// The events of the batch's orders, in the order they were decided.
+    /// The events of the batch's writes, in the order they were decided.
     pub events: Vec<NewEvent>,
 }
 
@@ -282,6 +298,9 @@ pub trait Port {
         to: ReservationState,
         now_ms: i64,
     ) -> Result<bool, StorageError>;
+    /// These reservations, one answer each, locked where several processes write (taken in one
+    /// global order: tenant, then id).
+    async fn lock_reservations(&mut self, wanted: &[(&str, &str)]) -> Result<Vec<Option<Reservation>>, StorageError>;
     /// Up to `limit` held reservations past their deadline with their tenants, locked where
     /// several processes write (skipping those locked by others).
     async fn due_reservations(&mut self, now_ms: i64, limit: u32) -> Result<Vec<(String, Reservation)>, StorageError>;

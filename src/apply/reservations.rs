@@ -102,6 +102,20 @@ pub async fn release<P: Port>(
     transition(port, tenant, id, ReservationState::Released, now_ms).await
 }
 
+/// A queued confirm or release on its own (what batch admission left, see [`super::batch`]).
+pub async fn execute<P: Port>(
+    port: &mut P,
+    job: &super::batch::MoveJob,
+    now_ms: i64,
+) -> Result<Transition, StorageError> {
+    match job.to {
+        ReservationState::Confirmed | ReservationState::Released => {
+            transition(port, &job.tenant, &job.id, job.to, now_ms).await
+        }
+        other => Err(StorageError::Internal(format!("a reservation cannot be moved to {other:?}"))),
+    }
+}
+
 /// Moves a reservation toward `to` (confirmed or released), judged by its state now.
 async fn transition<P: Port>(
     port: &mut P,

@@ -3,13 +3,15 @@
 //! Two fresh databases, migrated with every `migrations/sqlite/*.sql`, get the same tenants and
 //! resources and then the same random sequence of operations: orders, confirms, releases,
 //! expiries, adjustments and status changes. On database A every order goes through
-//! [`orders::execute`] on its own. On database B each maximal run of consecutive orders is cut
-//! into groups of random size, and each group is committed the way the SQLite writer
-//! (`storage::sqlite::writer::commit_batch`) commits a batch: `BEGIN IMMEDIATE`, the group's
-//! orders decided together by [`batch::admit`] in a savepoint (on the rows
-//! `SqlitePort::admission_rows` reads), then every order admission left undecided through
-//! [`orders::execute`] in its own savepoint, then `COMMIT`. Other operations run between groups,
-//! each in a transaction of its own on both databases.
+//! [`orders::execute`] on its own, and every confirm or release through
+//! [`reservations::execute`]. On database B each maximal run of consecutive orders, confirms
+//! and releases is cut into groups of random size, and each group is committed the way the
+//! SQLite writer (`storage::sqlite::writer::commit_batch`) commits a batch: `BEGIN IMMEDIATE`,
+//! the group's orders and moves decided together by [`batch::admit`] in a savepoint (on the
+//! reservations [`batch::read_moves`] reads and the rows `SqlitePort::admission_rows` reads),
+//! then every order and move admission left undecided on its own in its own savepoint, then
+//! `COMMIT`. Other operations run between groups, each in a transaction of its own on both
+//! databases.
 //!
 //! The order in which the orders of a group take effect on B is not the order they came in:
 //! admission decides the orders it can in batch order, and those it leaves (limits, creation, a
@@ -21,9 +23,13 @@
 //! in batch order, then the rest in batch order) and runs A in it. (In arrival order the two
 //! differ at once: a batch of two orders on one key, the first with a per-user limit.)
 //!
-//! After every order both paths must give the same answer (status, response body, line
-//! results), after every step the same resource rows, and at the end the same ledger (in `seq`
-//! order), reservations, per-user limits and idempotency records. Generated ids (`req_<ULID>`,
+//! Admission decides a group's orders first and its moves after them, so the effective order is:
+//! admitted orders, admitted moves, then the orders and the moves left, each in batch order.
+//!
+//! After every order and move both paths must give the same answer (status, response body, line
+//! results; a move's transition), after every step the same resource rows (stock band included),
+//! and at the end the same ledger (in `seq` order), reservations, per-user limits, idempotency
+//! records and events (each tenant's, in sequence order). Generated ids (`req_<ULID>`,
 //! `rsv_<ULID>`) are renamed to placeholders in order of first appearance on each database;
 //! times are compared exactly, because every step is given its `now` (a resource row's
 //! `updated_at` too: the batch stamps each row with the time of the order that last changed it,
@@ -45,10 +51,10 @@ use super::{batch, orders, reservations, resources};
 use crate::engine::order::OrderLineBody;
 use crate::engine::{
     Action, IdempotencyKey, Kind, LimitSpec, OrderId, OrderRequest, PartialPolicy, Plan, PlannedLine, PlannerRef,
-    Quantity, ResourceKey, ResourceStatus, Target, TenantId,
+    Quantity, ReservationState, ResourceKey, ResourceStatus, Target, TenantId,
 };
 use crate::storage::sqlite::port::SqlitePort;
-use crate::storage::{IdempotencyRequest, Idempotent, NewResource, OrderExecution, OrderJob, StorageError};
+use crate::storage::{IdempotencyRequest, Idempotent, NewResource, OrderExecution, OrderJob, StorageError, Transition};
 
 /// Keys a tenant's resources are created under.
 const RESOURCE_KEYS: [&str; 4] = ["a", "b", "c", "d"];
@@ -196,7 +202,12 @@ fn order_spec() -> impl Strategy<Value = OrderSpec> {
 }
 
 fn order_op() -> impl Strategy<Value = Op> {
-    prop_oneof![4 => order_spec().prop_map(Op::Order), 1 => (0..64usize).prop_map(Op::Replay)]
+    prop_oneof![
+        8 => order_spec().prop_map(Op::Order),
+        2 => (0..64usize).prop_map(Op::Replay),
+        2 => (0..16usize).prop_map(Op::Confirm),
+        1 => (0..16usize).prop_map(Op::Release),
+    ]
 }
 
 fn other_op() -> impl Strategy<Value = Op> {
@@ -343,15 +354,30 @@ impl Ids {
     }
 }
 
+/// One write of a group: an order, or a confirm or release of a reservation made before the
+/// group (the same one on both databases, each under its own id).
+enum Item {
+    Order(OrderJob),
+    Move { a: batch::MoveJob, b: batch::MoveJob },
+}
+
+/// What one write of a group answered.
+enum Answer {
+    Order(Result<OrderExecution, StorageError>),
+    Move(Result<Transition, StorageError>),
+}
+
 /// How one group fared on B.
 struct Decided {
-    /// Each order's index in the group and its result, in the order they took effect.
-    effective: Vec<(usize, Result<OrderExecution, StorageError>)>,
+    /// Each write's index in the group and its answer, in the order they took effect.
+    effective: Vec<(usize, Answer)>,
     /// Admission itself failed (the writer would then run every order on its own).
     admission_error: Option<StorageError>,
     /// Decided by admission: applied or refused now, and answered from an earlier outcome.
     admitted: usize,
     answered: usize,
+    /// Moves decided by admission.
+    moved: usize,
     /// Left to the per-order path by admission (in groups of two or more).
     left: usize,
 }
@@ -363,6 +389,7 @@ struct Stats {
     groups: Cell<usize>,
     admitted: Cell<usize>,
     answered: Cell<usize>,
+    moved: Cell<usize>,
     left: Cell<usize>,
     /// Groups where admission decided some orders and left others.
     mixed: Cell<usize>,
@@ -483,24 +510,41 @@ impl Db {
         self.commit(|conn| in_savepoint(conn, |conn| execute(conn, job, now_ms)))
     }
 
-    /// A group of orders committed together (B), exactly as `writer::commit_batch` and
-    /// `writer::admit_orders` do it.
-    fn batched(&self, group: &[(OrderJob, i64)]) -> Decided {
+    /// A group of orders and moves committed together (B), exactly as `writer::commit_batch` and
+    /// `writer::admit` do it.
+    fn batched(&self, group: &[(Item, i64)]) -> Decided {
         self.commit(|conn| {
             let mut decided =
-                Decided { effective: Vec::new(), admission_error: None, admitted: 0, answered: 0, left: 0 };
-            let mut rest = Vec::new();
+                Decided { effective: Vec::new(), admission_error: None, admitted: 0, answered: 0, moved: 0, left: 0 };
+            let orders: Vec<usize> = (0..group.len()).filter(|&i| matches!(group[i].0, Item::Order(_))).collect();
+            let moves: Vec<usize> = (0..group.len()).filter(|&i| matches!(group[i].0, Item::Move { .. })).collect();
+            let order = |i: usize| match &group[i].0 {
+                Item::Order(job) => Some(job),
+                Item::Move { .. } => None,
+            };
+            let moving = |i: usize| match &group[i].0 {
+                Item::Move { b, .. } => Some(b),
+                Item::Order(_) => None,
+            };
+            let (mut rest_orders, mut rest_moves) = (Vec::new(), Vec::new());
             if group.len() < 2 {
-                rest.extend(0..group.len());
+                rest_orders.clone_from(&orders);
+                rest_moves.clone_from(&moves);
             } else {
                 exec(conn, "SAVEPOINT orders").expect("SAVEPOINT orders");
-                let jobs: Vec<(&OrderJob, i64)> = group.iter().map(|(job, at)| (job, *at)).collect();
+                let jobs: Vec<(&OrderJob, i64)> =
+                    orders.iter().filter_map(|&i| order(i).map(|job| (job, group[i].1))).collect();
+                let moved: Vec<(&batch::MoveJob, i64)> =
+                    moves.iter().filter_map(|&i| moving(i).map(|job| (job, group[i].1))).collect();
                 let mut port = SqlitePort::new(conn);
-                let wanted = jobs
-                    .iter()
-                    .flat_map(|(job, _)| job.plan.resources().map(|key| (job.tenant.as_str(), key.as_str())));
-                let admitted =
-                    port.admission_rows(wanted).and_then(|rows| run_now(batch::admit(&mut port, &jobs, rows)));
+                let admitted = run_now(batch::read_moves(&mut port, &moved)).and_then(|found| {
+                    let wanted = jobs
+                        .iter()
+                        .flat_map(|(job, _)| job.plan.resources().map(|key| (job.tenant.as_str(), key.as_str())))
+                        .chain(batch::move_resources(&moved, &found));
+                    let rows = port.admission_rows(wanted)?;
+                    run_now(batch::admit(&mut port, &jobs, &moved, found, rows))
+                });
                 let closed = match &admitted {
                     Ok(_) => exec(conn, "RELEASE orders"),
                     Err(_) => exec(conn, "ROLLBACK TO orders").and_then(|_| exec(conn, "RELEASE orders")),
@@ -508,29 +552,48 @@ impl Db {
                 closed.expect("closing the orders savepoint");
                 let outcomes = admitted.unwrap_or_else(|err| {
                     decided.admission_error = Some(err);
-                    Vec::new()
+                    batch::Decided::default()
                 });
-                let mut outcomes = outcomes.into_iter();
-                for i in 0..group.len() {
-                    match outcomes.next().flatten() {
+                let mut executions = outcomes.orders.into_iter();
+                for &i in &orders {
+                    match executions.next().flatten() {
                         Some(execution) => {
                             if execution.outcome.is_some() {
                                 decided.admitted += 1;
                             } else {
                                 decided.answered += 1;
                             }
-                            decided.effective.push((i, Ok(execution)));
+                            decided.effective.push((i, Answer::Order(Ok(execution))));
                         }
                         None => {
                             decided.left += 1;
-                            rest.push(i);
+                            rest_orders.push(i);
+                        }
+                    }
+                }
+                let mut transitions = outcomes.moves.into_iter();
+                for &i in &moves {
+                    match transitions.next().flatten() {
+                        Some(transition) => {
+                            decided.moved += 1;
+                            decided.effective.push((i, Answer::Move(Ok(transition))));
+                        }
+                        None => {
+                            decided.left += 1;
+                            rest_moves.push(i);
                         }
                     }
                 }
             }
-            for i in rest {
-                let (job, now_ms) = &group[i];
-                decided.effective.push((i, in_savepoint(conn, |conn| execute(conn, job, *now_ms))));
+            for i in rest_orders {
+                let (Some(job), now_ms) = (order(i), group[i].1) else { continue };
+                decided.effective.push((i, Answer::Order(in_savepoint(conn, |conn| execute(conn, job, now_ms)))));
+            }
+            for i in rest_moves {
+                let (Some(job), now_ms) = (moving(i), group[i].1) else { continue };
+                let moved =
+                    in_savepoint(conn, |conn| run_now(reservations::execute(&mut SqlitePort::new(conn), job, now_ms)));
+                decided.effective.push((i, Answer::Move(moved)));
             }
             decided
         })
@@ -559,9 +622,11 @@ impl Db {
 }
 
 const RESOURCES: &str = "SELECT tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
-        version, updated_at FROM resources ORDER BY tenant_id, key";
+        version, updated_at, stock FROM resources ORDER BY tenant_id, key";
 const LEDGER: &str = "SELECT tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
-        available_after, reserved_after, consumed_after, version_after, plugin_version, at FROM ledger ORDER BY seq";
+        available_after, reserved_after, consumed_after, version_after, plugin_version, at, line_key, limit_key
+        FROM ledger ORDER BY seq";
+const EVENTS: &str = "SELECT tenant_id, seq, type, ordering_key, at, data FROM events ORDER BY tenant_id, seq";
 const RESERVATIONS: &str =
     "SELECT tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at FROM reservations";
 const USER_LIMITS: &str = "SELECT tenant_id, key, used FROM user_limits ORDER BY tenant_id, key";
@@ -626,6 +691,8 @@ fn balanced(db: &Db, name: &str) -> Result<(), TestCaseError> {
 /// The steps, with each replay resolved to the order it repeats.
 enum Step<'s> {
     Order(&'s OrderSpec),
+    /// A confirm (`true`) or release of the reservation with this index (modulo their number).
+    Move(bool, usize),
     Other(&'s Op),
 }
 
@@ -640,6 +707,8 @@ fn steps(ops: &[Op]) -> Vec<Step<'_>> {
             }
             Op::Replay(n) if !sent.is_empty() => steps.push(Step::Order(sent[n % sent.len()])),
             Op::Replay(_) => {}
+            Op::Confirm(n) => steps.push(Step::Move(true, *n)),
+            Op::Release(n) => steps.push(Step::Move(false, *n)),
             other => steps.push(Step::Other(other)),
         }
     }
@@ -650,26 +719,6 @@ fn steps(ops: &[Op]) -> Vec<Step<'_>> {
 fn other(a: &mut Db, b: &mut Db, op: &Op, tenants: usize, now_ms: &mut i64) -> Result<(), TestCaseError> {
     let now = *now_ms;
     let (ra, rb) = match *op {
-        Op::Confirm(n) | Op::Release(n) => {
-            prop_assert_eq!(a.reservations.len(), b.reservations.len(), "reservations made differ");
-            if a.reservations.is_empty() {
-                return Ok(());
-            }
-            let confirm = matches!(op, Op::Confirm(_));
-            let move_one = |db: &Db| {
-                let (tenant, id) = &db.reservations[n % db.reservations.len()];
-                db.work(|conn| {
-                    let mut port = SqlitePort::new(conn);
-                    if confirm {
-                        run_now(reservations::confirm(&mut port, tenant, id, now))
-                    } else {
-                        run_now(reservations::release(&mut port, tenant, id, now))
-                    }
-                })
-            };
-            let (ra, rb) = (move_one(a), move_one(b));
-            (a.ids.debug(&ra), b.ids.debug(&rb))
-        }
         Op::Expire { jump } => {
             *now_ms += jump;
             let now = *now_ms;
@@ -711,7 +760,8 @@ fn other(a: &mut Db, b: &mut Db, op: &Op, tenants: usize, now_ms: &mut i64) -> R
             let (ra, rb) = (set(a), set(b));
             (a.ids.debug(&ra), b.ids.debug(&rb))
         }
-        Op::Order(_) | Op::Replay(_) => return Ok(()),
+        // Run with the orders (see `run`).
+        Op::Order(_) | Op::Replay(_) | Op::Confirm(_) | Op::Release(_) => return Ok(()),
     };
     prop_assert!(!ra.starts_with("Err"), "{:?} failed: {}", op, ra);
     prop_assert_eq!(ra, rb, "{:?} answered differently", op);
@@ -733,14 +783,8 @@ fn run(scenario: &Scenario, stats: &Stats) -> Result<(), TestCaseError> {
     let mut sizes = scenario.groups.iter().copied().cycle();
     let mut i = 0;
     while i < steps.len() {
-        let orders: Vec<&OrderSpec> = steps[i..]
-            .iter()
-            .map_while(|step| match step {
-                Step::Order(spec) => Some(*spec),
-                Step::Other(_) => None,
-            })
-            .collect();
-        if orders.is_empty() {
+        let writes = steps[i..].iter().take_while(|step| !matches!(step, Step::Other(_))).count();
+        if writes == 0 {
             if let Step::Other(op) = &steps[i] {
                 now_ms += 1;
                 other(&mut a, &mut b, op, tenants, &mut now_ms)?;
@@ -748,44 +792,76 @@ fn run(scenario: &Scenario, stats: &Stats) -> Result<(), TestCaseError> {
             i += 1;
             continue;
         }
-        i += orders.len();
-        // Every order at its own time, as requests arrive.
-        let mut run: Vec<(OrderJob, i64)> = orders
-            .iter()
-            .map(|spec| {
-                now_ms += 1;
-                (order_job(spec, tenants, scenario.ttl_ms), now_ms)
-            })
-            .collect();
+        // Every write at its own time, as requests arrive; a move names a reservation made
+        // before its run (the same one on both databases), and is dropped while there is none.
+        prop_assert_eq!(a.reservations.len(), b.reservations.len(), "reservations made differ");
+        let mut run: Vec<(Item, i64)> = Vec::new();
+        for step in &steps[i..i + writes] {
+            let item = match *step {
+                Step::Order(spec) => Item::Order(order_job(spec, tenants, scenario.ttl_ms)),
+                Step::Move(_, _) if a.reservations.is_empty() => continue,
+                Step::Move(confirm, n) => {
+                    let to = if confirm { ReservationState::Confirmed } else { ReservationState::Released };
+                    let job = |db: &Db| {
+                        let (tenant, id) = db.reservations[n % db.reservations.len()].clone();
+                        batch::MoveJob { tenant, id, to }
+                    };
+                    Item::Move { a: job(&a), b: job(&b) }
+                }
+                Step::Other(_) => continue,
+            };
+            now_ms += 1;
+            run.push((item, now_ms));
+        }
+        i += writes;
         while !run.is_empty() {
             let size = sizes.next().expect("group sizes").min(run.len());
-            let group: Vec<(OrderJob, i64)> = run.drain(..size).collect();
+            let group: Vec<(Item, i64)> = run.drain(..size).collect();
             let decided = b.batched(&group);
             prop_assert!(decided.admission_error.is_none(), "admission failed: {:?}", decided.admission_error);
             bump(&stats.groups, 1);
             bump(&stats.admitted, decided.admitted);
             bump(&stats.answered, decided.answered);
+            bump(&stats.moved, decided.moved);
             bump(&stats.left, decided.left);
-            if decided.admitted + decided.answered > 0 && decided.left > 0 {
+            if decided.admitted + decided.answered + decided.moved > 0 && decided.left > 0 {
                 bump(&stats.mixed, 1);
             }
             // A takes B's effective order: see the module docs.
             let effective: Vec<usize> = decided.effective.iter().map(|(k, _)| *k).collect();
-            for (k, rb) in decided.effective {
-                let (job, at) = &group[k];
-                let ra = a.alone(job, *at);
-                let (ta, tb) = (answer(&mut a.ids, &ra), answer(&mut b.ids, &rb));
-                prop_assert!(!ta.starts_with("Err"), "order {} failed per order: {}", job.idempotency.key, ta);
-                prop_assert_eq!(
-                    ta,
-                    tb,
-                    "order #{} of a group of {} (effective order {:?}) answered differently",
-                    k,
-                    size,
-                    effective
-                );
-                a.note_reservation(job, &ra);
-                b.note_reservation(job, &rb);
+            for (k, answered) in decided.effective {
+                let at = group[k].1;
+                match (&group[k].0, answered) {
+                    (Item::Order(job), Answer::Order(rb)) => {
+                        let ra = a.alone(job, at);
+                        let (ta, tb) = (answer(&mut a.ids, &ra), answer(&mut b.ids, &rb));
+                        prop_assert!(!ta.starts_with("Err"), "order {} failed per order: {}", job.idempotency.key, ta);
+                        prop_assert_eq!(
+                            ta,
+                            tb,
+                            "order #{} of a group of {} (effective order {:?}) answered differently",
+                            k,
+                            size,
+                            effective
+                        );
+                        a.note_reservation(job, &ra);
+                        b.note_reservation(job, &rb);
+                    }
+                    (Item::Move { a: job, .. }, Answer::Move(rb)) => {
+                        let ra = a.work(|conn| run_now(reservations::execute(&mut SqlitePort::new(conn), job, at)));
+                        let (ta, tb) = (a.ids.debug(&ra), b.ids.debug(&rb));
+                        prop_assert!(!ta.starts_with("Err"), "a move failed on its own: {}", ta);
+                        prop_assert_eq!(
+                            ta,
+                            tb,
+                            "move #{} of a group of {} (effective order {:?}) answered differently",
+                            k,
+                            size,
+                            effective
+                        );
+                    }
+                    _ => prop_assert!(false, "write #{} of a group answered as another kind", k),
+                }
             }
             same_resources(&mut a, &mut b, &format!("a group of {size}"))?;
         }
@@ -800,6 +876,7 @@ fn run(scenario: &Scenario, stats: &Stats) -> Result<(), TestCaseError> {
     same_rows("reservations", &ra, &rb)?;
     same_rows("user limits", &a.rows(USER_LIMITS), &b.rows(USER_LIMITS))?;
     same_rows("idempotency records", &a.rows(IDEMPOTENCY), &b.rows(IDEMPOTENCY))?;
+    same_rows("events", &a.rows(EVENTS), &b.rows(EVENTS))?;
     same_rows("bucket rows", &a.rows(BUCKETS), &b.rows(BUCKETS))
 }
 
@@ -825,16 +902,21 @@ fn batch_admission_and_the_per_order_path_agree() {
         panic!("{failure}");
     }
     eprintln!(
-        "{cases} cases: {} groups; admission decided {} orders and answered {} from earlier outcomes, left {} \
-         to the per-order path; {} groups mixed both",
+        "{cases} cases: {} groups; admission decided {} orders and {} moves and answered {} from earlier \
+         outcomes, left {} to the per-request path; {} groups mixed both",
         stats.groups.get(),
         stats.admitted.get(),
+        stats.moved.get(),
         stats.answered.get(),
         stats.left.get(),
         stats.mixed.get()
     );
     assert!(
-        stats.admitted.get() > 0 && stats.answered.get() > 0 && stats.left.get() > 0 && stats.mixed.get() > 0,
+        stats.admitted.get() > 0
+            && stats.answered.get() > 0
+            && stats.moved.get() > 0
+            && stats.left.get() > 0
+            && stats.mixed.get() > 0,
         "the scenarios did not exercise every path of batch admission"
     );
 }

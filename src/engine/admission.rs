@@ -16,6 +16,7 @@ use std::collections::HashMap;
 
 use super::order::{decide, LineResult, OrderStatus, Reason};
 use super::plan::Plan;
+use super::resource::ReservationLine;
 use super::types::{Action, Kind, LedgerOp};
 
 /// A resource row as the batch read it under its lock, and as admission leaves it.
@@ -134,6 +135,52 @@ pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action) -> Op
         changes.clear();
     }
     Some(Admitted { results, status, changes })
+}
+
+/// Moves a held reservation's `lines` out of `reserved` against `rows`, as its confirm (`op`
+/// [`LedgerOp::Confirm`]: into `consumed`) or its release or expiry (back to `available`) does
+/// on the per-request path, one change per line in resource order. `None` when admission cannot
+/// decide it (a line on buckets, on a row the batch did not read or may not decide, two lines on
+/// one resource, a per-user limit to give back, a row holding less than reserved); `rows` is
+/// then untouched, and the move takes the per-request path, which judges it the same way.
+pub fn move_held(rows: &mut HashMap<String, Row>, lines: &[ReservationLine], op: LedgerOp) -> Option<Vec<Change>> {
+    let confirming = match op {
+        LedgerOp::Confirm => true,
+        LedgerOp::Release | LedgerOp::Expire => false,
+        _ => return None,
+    };
+    let mut order: Vec<usize> = (0..lines.len()).collect();
+    order.sort_by(|&a, &b| lines[a].resource.cmp(&lines[b].resource));
+    let decidable = order.windows(2).all(|w| lines[w[0]].resource != lines[w[1]].resource)
+        && lines.iter().all(|l| {
+            l.buckets.is_empty()
+                && (confirming || l.limit_key.is_none())
+                && rows.get(&l.resource).is_some_and(|r| r.admissible() && r.reserved >= l.qty && l.qty >= 0)
+        });
+    if !decidable {
+        return None;
+    }
+    let mut changes = Vec::with_capacity(lines.len());
+    for i in order {
+        let line = &lines[i];
+        let row = rows.get_mut(&line.resource)?;
+        row.reserved -= line.qty;
+        if confirming {
+            row.consumed += line.qty;
+        } else {
+            row.available += line.qty;
+        }
+        row.version += 1;
+        changes.push(Change {
+            line: i,
+            resource: line.resource.clone(),
+            op,
+            qty: line.qty,
+            after: [row.available, row.reserved, row.consumed],
+            version_after: row.version,
+        });
+    }
+    Some(changes)
 }
 
 #[cfg(test)]

@@ -5,7 +5,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::helpers::{
-    assert_counts, assert_problem, entries_with_op, reserve, spawn_app, spawn_app_with, AppOptions, TenantClient,
+    assert_counts, assert_problem, deduct, entries_with_op, reserve, spawn_app, spawn_app_with, AppOptions,
+    TenantClient,
 };
 
 /// Bound for waiting on the background expiry (the contract says "within a few seconds").
@@ -299,4 +300,92 @@ async fn confirmed_reservation_does_not_expire() {
     let ledger = shop.assert_ledger_replays_to_state("sku-1").await;
     assert_eq!(entries_with_op(&ledger, "expire").len(), 1);
     assert_eq!(entries_with_op(&ledger, "confirm").len(), 1);
+}
+
+/// Confirms and releases that arrive together are decided in one batch with the batch's orders
+/// (admission), each exactly as on its own: a confirm and a release of every reservation race,
+/// with a second confirm of every other one and fresh orders on the same keys. Each reservation
+/// ends confirmed or released with one move in the ledger, every loser hears the state machine's
+/// answer (200 for the same end state, 409 for the other), the counters balance, and the
+/// server's metrics show moves decided by admission.
+#[tokio::test]
+async fn racing_confirms_and_releases_are_decided_in_the_batch_each_once() {
+    const HOLDS: usize = 24;
+    // A little linger so that concurrent requests share batches even on a fast machine.
+    let app = spawn_app_with(AppOptions::default().toml("[batch]\nmax_wait_us = 2000")).await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 1_000).await;
+    shop.create_resource("sku-2", 1_000).await;
+    let mut ids = Vec::new();
+    for i in 0..HOLDS {
+        let lines: &[(&str, i64)] = if i % 3 == 0 { &[("sku-1", 2), ("sku-2", 1)] } else { &[("sku-1", 1)] };
+        ids.push(reserve_ok(&shop, lines, Some(600)).await.0);
+    }
+
+    let mut racers = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        let mut moves = vec!["confirm", "release"];
+        if i % 2 == 0 {
+            moves.push("confirm");
+        }
+        for how in moves {
+            let (shop, id) = (shop.clone(), id.clone());
+            racers.push(tokio::spawn(async move {
+                let reply = if how == "confirm" { shop.confirm(&id).await } else { shop.release(&id).await };
+                (id, how, reply.status(), reply.json())
+            }));
+        }
+        let (shop, idem) = (shop.clone(), crate::helpers::unique("buy"));
+        racers.push(tokio::spawn(async move {
+            let reply = shop.order(&idem, &deduct(&idem, &[("sku-2", 1)])).await;
+            (idem, "order", reply.status(), reply.json())
+        }));
+    }
+    let mut end: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let mut answers = Vec::new();
+    for racer in racers {
+        answers.push(racer.await.expect("a racer does not panic"));
+    }
+    for (id, how, status, body) in &answers {
+        match *how {
+            "order" => assert_eq!(*status, 201, "an order beside the moves: {body}"),
+            _ if *status == 200 => {
+                let state = body["state"].as_str().unwrap_or_default().to_string();
+                assert_eq!(state, if *how == "confirm" { "confirmed" } else { "released" }, "{how} {id}: {body}");
+                let first = end.entry(id.clone()).or_insert_with(|| state.clone());
+                assert_eq!(*first, state, "reservation {id} answered two end states");
+            }
+            _ => assert_eq!(*status, 409, "{how} {id}: {body}"),
+        }
+    }
+    assert_eq!(end.len(), HOLDS, "every reservation ended: {end:?}");
+    for (id, state) in &end {
+        assert_eq!(shop.reservation(id).await.expect_json(200)["state"], state.as_str(), "reservation {id}");
+    }
+
+    let confirmed = |i: usize| end[&ids[i]] == "confirmed";
+    let (mut consumed1, mut consumed2) = (0, 0);
+    for i in 0..HOLDS {
+        if confirmed(i) {
+            consumed1 += if i % 3 == 0 { 2 } else { 1 };
+            consumed2 += i64::from(i % 3 == 0);
+        }
+    }
+    assert_counts(&shop.state("sku-1").await, 1_000 - consumed1, 0, consumed1, 1_000);
+    let orders = HOLDS as i64;
+    assert_counts(&shop.state("sku-2").await, 1_000 - consumed2 - orders, 0, consumed2 + orders, 1_000);
+    for key in ["sku-1", "sku-2"] {
+        let ledger = shop.assert_ledger_replays_to_state(key).await;
+        let moves = entries_with_op(&ledger, "confirm").len() + entries_with_op(&ledger, "release").len();
+        let held = if key == "sku-1" { HOLDS } else { HOLDS.div_ceil(3) };
+        assert_eq!(moves, held, "one move per reservation on {key}");
+    }
+    shop.assert_reconciliation_clean(2).await;
+    let metrics = app.get_anonymous("/metrics").await.text;
+    let admitted: f64 = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("stockd_moves_admitted_in_batch_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    assert!(admitted > 0.0, "no confirm or release was decided by batch admission:\n{metrics}");
 }

@@ -19,8 +19,9 @@ use tokio::time::Instant;
 use super::acquire;
 use super::port::{self, PgPort};
 use crate::apply;
+use crate::apply::batch::MoveJob;
 use crate::storage::sqlite::writer::WriterLimits;
-use crate::storage::{OrderExecution, OrderJob, StorageError};
+use crate::storage::{OrderExecution, OrderJob, StorageError, Transition};
 
 /// Longest a batch attempt may take once it has its connection. A healthy batch takes
 /// milliseconds, or a few seconds queued behind other processes' batches on a hot row; a
@@ -93,30 +94,80 @@ pub(super) trait Queued: Send {
     fn run<'a>(&'a mut self, conn: &'a mut PgConnection) -> BoxFuture<'a, Ran>;
     /// Answers the caller once the batch's fate is known: `Ok` after a commit.
     fn answer(self: Box<Self>, batch: Result<(), StorageError>);
-    /// An order the batch may decide by admission together with its other orders.
-    fn as_order(&mut self) -> Option<&mut PendingOrder> {
+    /// An order or a reservation move the batch may decide by admission together with its other
+    /// orders and moves.
+    fn admissible(&mut self) -> Option<Admissible<'_>> {
         None
+    }
+    /// Decided by admission in the current run: it runs no statement of its own.
+    fn admitted(&self) -> bool {
+        false
     }
 }
 
-/// A queued order. In each run of its batch it is either decided by admission with the batch's
-/// other orders (`admitted`) or on its own in its savepoint, like any job.
-pub(super) struct PendingOrder {
-    pub(super) job: std::sync::Arc<OrderJob>,
-    pub(super) now_ms: i64,
-    pub(super) admitted: bool,
-    pub(super) result: Option<Result<OrderExecution, StorageError>>,
-    pub(super) reply: oneshot::Sender<Result<OrderExecution, StorageError>>,
+/// A job batch admission may decide.
+pub(super) enum Admissible<'a> {
+    Order(&'a mut PendingOrder),
+    Move(&'a mut PendingMove),
 }
 
-impl Queued for PendingOrder {
+/// A queued order or reservation move. In each run of its batch it is either decided by
+/// admission with the batch's other orders and moves (`admitted`) or on its own in its
+/// savepoint, like any job.
+pub(super) struct Decidable<J: Alone> {
+    pub(super) job: J,
+    pub(super) now_ms: i64,
+    pub(super) admitted: bool,
+    pub(super) result: Option<Result<J::Out, StorageError>>,
+    pub(super) reply: oneshot::Sender<Result<J::Out, StorageError>>,
+}
+
+pub(super) type PendingOrder = Decidable<std::sync::Arc<OrderJob>>;
+pub(super) type PendingMove = Decidable<MoveJob>;
+
+/// What a [`Decidable`] job is and does on its own.
+pub(super) trait Alone: Sized + Send + Sync + 'static {
+    type Out: Send + 'static;
+    fn run<'a>(&'a self, conn: &'a mut PgConnection, now_ms: i64) -> BoxFuture<'a, Result<Self::Out, StorageError>>;
+    fn admissible(queued: &mut Decidable<Self>) -> Admissible<'_>;
+}
+
+impl Alone for std::sync::Arc<OrderJob> {
+    type Out = OrderExecution;
+
+    fn run<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        now_ms: i64,
+    ) -> BoxFuture<'a, Result<OrderExecution, StorageError>> {
+        Box::pin(async move { apply::orders::execute(&mut PgPort::new(conn), self, now_ms).await })
+    }
+
+    fn admissible(queued: &mut PendingOrder) -> Admissible<'_> {
+        Admissible::Order(queued)
+    }
+}
+
+impl Alone for MoveJob {
+    type Out = Transition;
+
+    fn run<'a>(&'a self, conn: &'a mut PgConnection, now_ms: i64) -> BoxFuture<'a, Result<Transition, StorageError>> {
+        Box::pin(async move { apply::reservations::execute(&mut PgPort::new(conn), self, now_ms).await })
+    }
+
+    fn admissible(queued: &mut PendingMove) -> Admissible<'_> {
+        Admissible::Move(queued)
+    }
+}
+
+impl<J: Alone> Queued for Decidable<J> {
     fn locks(&self) -> &[(String, String)] {
         &[]
     }
 
     fn run<'a>(&'a mut self, conn: &'a mut PgConnection) -> BoxFuture<'a, Ran> {
         Box::pin(async move {
-            let result = apply::orders::execute(&mut PgPort::new(conn), &self.job, self.now_ms).await;
+            let result = self.job.run(conn, self.now_ms).await;
             let ran = Ran::of(&result);
             self.result = Some(result);
             ran
@@ -127,8 +178,12 @@ impl Queued for PendingOrder {
         let _ = self.reply.send(committed(self.result, batch));
     }
 
-    fn as_order(&mut self) -> Option<&mut PendingOrder> {
-        Some(self)
+    fn admissible(&mut self) -> Option<Admissible<'_>> {
+        Some(J::admissible(self))
+    }
+
+    fn admitted(&self) -> bool {
+        self.admitted
     }
 }
 
@@ -173,6 +228,15 @@ enum BatchFailure {
 }
 
 impl BatchFailure {
+    /// Sorts an error of batch admission: a passing one reruns the batch, any other reruns it
+    /// without admission.
+    fn of_admission(err: StorageError) -> Self {
+        match err {
+            StorageError::Unavailable(why) => BatchFailure::Retry(why),
+            other => BatchFailure::WithoutAdmission(other.to_string()),
+        }
+    }
+
     /// Sorts an error of a statement the batcher itself runs (BEGIN, SAVEPOINT, RELEASE, ...).
     fn of(err: sqlx::Error) -> Self {
         match StorageError::from(err) {
@@ -276,7 +340,7 @@ fn backoff(attempt: u32) -> Duration {
 async fn run_batch(
     pool: &PgPool,
     batch: &mut [Box<dyn Queued>],
-    rows: &(Vec<String>, Vec<String>),
+    rows: &[(String, String)],
     admission: bool,
 ) -> Result<(), BatchFailure> {
     // No retry when no connection comes within `acquire_timeout`: the pool has already waited
@@ -296,24 +360,24 @@ async fn run_batch(
     }
 }
 
-/// BEGIN, the declared row locks, each job in its savepoint, COMMIT.
+/// BEGIN, the batch's reservation and resource row locks with admission, each other job in its
+/// savepoint, COMMIT.
 async fn attempt(
     conn: &mut PgConnection,
     batch: &mut [Box<dyn Queued>],
-    rows: &(Vec<String>, Vec<String>),
+    rows: &[(String, String)],
     admission: bool,
 ) -> Result<(), BatchFailure> {
     // sqlx's transaction guards roll back whatever is left open if this returns early (or is
     // dropped), before the connection can serve anyone else.
     let mut tx = conn.begin().await.map_err(BatchFailure::of)?;
-    let locked = lock_declared_rows(&mut tx, rows).await.map_err(BatchFailure::of)?;
-    if let Err(why) = admit_orders(&mut tx, batch, &locked, admission).await {
+    if let Err(why) = lock_and_admit(&mut tx, batch, rows, admission).await {
         // Best effort: if the connection is gone, the server has rolled back already.
         let _ = tx.rollback().await;
         return Err(why);
     }
     for job in batch.iter_mut() {
-        if job.as_order().is_some_and(|o| o.admitted) {
+        if job.admitted() {
             continue;
         }
         let mut savepoint = Connection::begin(&mut *tx).await.map_err(BatchFailure::of)?;
@@ -346,66 +410,95 @@ async fn attempt(
     Ok(())
 }
 
-/// Decides the batch's orders together (see [`apply::batch`]), marking those it
-/// decided; the rest run on their own. It runs first in the transaction, so a failure of it
-/// needs no savepoint: the batch is run again, without admission if the failure was not
-/// passing.
-async fn admit_orders(
+/// Locks what the batch will write and decides its orders and reservation moves together (see
+/// [`apply::batch`]), marking those it decided; the rest run on their own. The locks come in one
+/// global order in every process: the moves' reservations first (their lines name more resource
+/// rows), then every resource row, each kind sorted. It runs first in the transaction, so a
+/// failure of it needs no savepoint: the batch is run again, without admission if the failure
+/// was not passing.
+async fn lock_and_admit(
     tx: &mut PgConnection,
     batch: &mut [Box<dyn Queued>],
-    locked: &[PgRow],
+    declared: &[(String, String)],
     admission: bool,
 ) -> Result<(), BatchFailure> {
-    let mut orders: Vec<&mut PendingOrder> = batch.iter_mut().filter_map(|job| job.as_order()).collect();
-    for order in orders.iter_mut() {
-        order.admitted = false;
+    let mut orders: Vec<&mut PendingOrder> = Vec::new();
+    let mut moves: Vec<&mut PendingMove> = Vec::new();
+    for job in batch.iter_mut() {
+        match job.admissible() {
+            Some(Admissible::Order(order)) => {
+                order.admitted = false;
+                orders.push(order);
+            }
+            Some(Admissible::Move(queued)) => {
+                queued.admitted = false;
+                moves.push(queued);
+            }
+            None => {}
+        }
     }
-    if !admission || orders.len() < 2 {
+    let decide = admission && orders.len() + moves.len() >= 2;
+    let moving: Vec<(&MoveJob, i64)> = moves.iter().map(|m| (&m.job, m.now_ms)).collect();
+    let found = if decide {
+        apply::batch::read_moves(&mut PgPort::new(tx), &moving).await.map_err(BatchFailure::of_admission)?
+    } else {
+        Vec::new()
+    };
+    let mut rows = declared.to_vec();
+    let more: Vec<(String, String)> =
+        apply::batch::move_resources(&moving, &found).map(|(t, k)| (t.to_string(), k.to_string())).collect();
+    if !more.is_empty() {
+        rows.extend(more);
+        rows.sort_unstable();
+        rows.dedup();
+    }
+    let locked = lock_declared_rows(tx, &rows).await.map_err(BatchFailure::of)?;
+    if !decide {
         return Ok(());
     }
-    let rows = port::locked_rows(locked).map_err(|e| BatchFailure::WithoutAdmission(e.to_string()))?;
+    let rows = port::locked_rows(&locked).map_err(|e| BatchFailure::WithoutAdmission(e.to_string()))?;
     let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&*o.job, o.now_ms)).collect();
-    match apply::batch::admit(&mut PgPort::new(tx), &jobs, rows).await {
-        Ok(outcomes) => {
-            for (order, outcome) in orders.into_iter().zip(outcomes) {
-                if let Some(execution) = outcome {
-                    metrics::counter!("stockd_orders_admitted_in_batch_total").increment(1);
-                    order.result = Some(Ok(execution));
-                    order.admitted = true;
-                }
-            }
-            Ok(())
+    let decided = apply::batch::admit(&mut PgPort::new(tx), &jobs, &moving, found, rows)
+        .await
+        .map_err(BatchFailure::of_admission)?;
+    for (order, outcome) in orders.into_iter().zip(decided.orders) {
+        if let Some(execution) = outcome {
+            metrics::counter!("stockd_orders_admitted_in_batch_total").increment(1);
+            order.result = Some(Ok(execution));
+            order.admitted = true;
         }
-        Err(StorageError::Unavailable(why)) => Err(BatchFailure::Retry(why)),
-        Err(err) => Err(BatchFailure::WithoutAdmission(err.to_string())),
     }
+    for (queued, outcome) in moves.into_iter().zip(decided.moves) {
+        if let Some(transition) = outcome {
+            queued.result = Some(Ok(transition));
+            queued.admitted = true;
+        }
+    }
+    Ok(())
 }
 
-/// The resource rows a batch's jobs declared (see [`LockSet`]), as the two parallel arrays
-/// [`lock_declared_rows`] binds; computed once per batch, not per attempt.
-fn declared_rows(batch: &mut [Box<dyn Queued>]) -> (Vec<String>, Vec<String>) {
+/// The resource rows a batch's jobs declared (see [`LockSet`]) and its orders' plans name,
+/// sorted and once each; computed once per batch, not per attempt.
+fn declared_rows(batch: &mut [Box<dyn Queued>]) -> Vec<(String, String)> {
     let mut rows: Vec<(String, String)> = batch.iter().flat_map(|job| job.locks()).cloned().collect();
     for job in batch.iter_mut() {
-        if let Some(order) = job.as_order() {
+        if let Some(Admissible::Order(order)) = job.admissible() {
             let tenant = order.job.tenant.to_string();
             rows.extend(order.job.plan.resources().map(|key| (tenant.clone(), key.to_string())));
         }
     }
     rows.sort_unstable();
     rows.dedup();
-    rows.into_iter().unzip()
+    rows
 }
 
 /// Locks the declared resource rows in one global order and returns them as they are now (for
 /// batch admission). Rows that do not exist are simply not locked; the jobs judge them as usual.
-async fn lock_declared_rows(
-    conn: &mut PgConnection,
-    rows: &(Vec<String>, Vec<String>),
-) -> Result<Vec<PgRow>, sqlx::Error> {
-    let (tenants, keys) = rows;
-    if tenants.is_empty() {
+async fn lock_declared_rows(conn: &mut PgConnection, rows: &[(String, String)]) -> Result<Vec<PgRow>, sqlx::Error> {
+    if rows.is_empty() {
         return Ok(Vec::new());
     }
+    let (tenants, keys): (Vec<&str>, Vec<&str>) = rows.iter().map(|(t, k)| (t.as_str(), k.as_str())).unzip();
     // In a locking SELECT the sort runs first and rows are locked as they leave it, so the
     // locks are taken in this order.
     sqlx::query(

@@ -26,7 +26,7 @@ use sqlx::{ConnectOptions, Connection, Postgres};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use self::batcher::{run_batcher, work, LockSet, Pending, PendingOrder, Queued, Work, ATTEMPT_DEADLINE};
+use self::batcher::{run_batcher, work, LockSet, Pending, PendingMove, PendingOrder, Queued, Work, ATTEMPT_DEADLINE};
 use self::port::PgPort;
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
@@ -35,14 +35,15 @@ use super::{
     OrderExecution, OrderJob, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError, TenantRecord,
     Transition,
 };
+use crate::apply::batch::MoveJob;
 use crate::apply::port::Port;
 use crate::apply::reversals::{ReversalJob, Reversed};
 use crate::apply::{buckets, reads, reservations, resources, reversals};
 use crate::engine::reversal::OrderLedger;
 use crate::engine::OrderId;
 use crate::engine::{
-    LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
-    ResourceStatus, TenantId,
+    LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ReservationState, ResourceKey,
+    ResourceState, ResourceStatus, TenantId,
 };
 use crate::events::{Event, EventType};
 use crate::ratelimit::RateLimit;
@@ -133,6 +134,15 @@ impl PgStorage {
 
     /// Runs `work` in the next batch and returns the result of its committed run. `locks`: the
     /// resource rows it will update, locked with the batch's others before any job runs.
+    /// Queues a reservation's confirm or release, which the batch decides with its orders where
+    /// it can (see the batcher).
+    async fn submit_move(&self, job: MoveJob, now_ms: i64) -> Result<Transition, StorageError> {
+        let (reply, rx) = oneshot::channel();
+        let queued: Box<dyn Queued> = Box::new(PendingMove { job, now_ms, admitted: false, result: None, reply });
+        self.queue()?.send(queued).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
+        rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
+    }
+
     async fn submit<T: Send + 'static>(&self, locks: LockSet, work: Work<T>) -> Result<T, StorageError> {
         let (tx, rx) = oneshot::channel();
         let job: Box<dyn Queued> = Box::new(Pending { locks, work, result: None, reply: tx });
@@ -448,27 +458,13 @@ impl Storage for PgStorage {
     }
 
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
-        let (tenant, id) = (tenant.clone(), id.to_string());
-        self.submit(
-            Vec::new(),
-            work(move |conn| {
-                let (tenant, id) = (tenant.clone(), id.clone());
-                Box::pin(async move { reservations::confirm(&mut PgPort::new(conn), &tenant, &id, now_ms).await })
-            }),
-        )
-        .await
+        let job = MoveJob { tenant: tenant.clone(), id: id.to_string(), to: ReservationState::Confirmed };
+        self.submit_move(job, now_ms).await
     }
 
     async fn release_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
-        let (tenant, id) = (tenant.clone(), id.to_string());
-        self.submit(
-            Vec::new(),
-            work(move |conn| {
-                let (tenant, id) = (tenant.clone(), id.clone());
-                Box::pin(async move { reservations::release(&mut PgPort::new(conn), &tenant, &id, now_ms).await })
-            }),
-        )
-        .await
+        let job = MoveJob { tenant: tenant.clone(), id: id.to_string(), to: ReservationState::Released };
+        self.submit_move(job, now_ms).await
     }
 
     async fn expire_due(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {

@@ -573,6 +573,27 @@ impl Port for PgPort<'_> {
         Ok(moved == 1)
     }
 
+    /// Locked in one global order, before the batch locks any resource row (see the batcher).
+    async fn lock_reservations(&mut self, wanted: &[(&str, &str)]) -> Result<Vec<Option<Reservation>>, StorageError> {
+        let (tenants, ids): (Vec<&str>, Vec<&str>) = wanted.iter().copied().unzip();
+        let found = sqlx::query(
+            "SELECT r.tenant_id, r.id, r.order_id, r.state, r.lines, r.expires_at
+             FROM reservations r
+             JOIN UNNEST($1::text[], $2::text[]) AS w (tenant_id, id) ON r.tenant_id = w.tenant_id AND r.id = w.id
+             ORDER BY r.tenant_id COLLATE \"C\", r.id COLLATE \"C\"
+             FOR UPDATE OF r",
+        )
+        .bind(&tenants)
+        .bind(&ids)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        let mut by_id = std::collections::HashMap::with_capacity(found.len());
+        for row in &found {
+            by_id.insert((row.text("tenant_id")?, row.text("id")?), rows::reservation(row)?);
+        }
+        Ok(wanted.iter().map(|(t, id)| by_id.get(&(t.to_string(), id.to_string())).cloned()).collect())
+    }
+
     /// SKIP LOCKED: the sweepers of several processes each take different due rows, and a row a
     /// confirm or release is moving right now is left to it.
     async fn due_reservations(&mut self, now_ms: i64, limit: u32) -> Result<Vec<(String, Reservation)>, StorageError> {
@@ -749,26 +770,26 @@ impl Port for PgPort<'_> {
         fn col<T, U>(items: &[T], f: impl Fn(&T) -> U) -> Vec<U> {
             items.iter().map(f).collect()
         }
-        let (c, l, r, o, ev) = (&w.rows, &w.ledger, &w.reservations, &w.outcomes, &w.events);
+        let (c, l, r, o, ev, m) = (&w.rows, &w.ledger, &w.reservations, &w.outcomes, &w.events, &w.moves);
         let ids: Vec<String> = ev.iter().map(|_| new_event_id()).collect();
         let counts = sqlx::query(
             "WITH written AS (
                 UPDATE resources r SET available = u.available, reserved = u.reserved, consumed = u.consumed,
-                       version = u.version, updated_at = u.at
+                       version = u.version, updated_at = u.at, stock = u.stock
                 FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[],
-                            $8::bigint[])
-                     AS u (tenant_id, key, available, reserved, consumed, version, was, at)
+                            $8::bigint[], $40::text[])
+                     AS u (tenant_id, key, available, reserved, consumed, version, was, at, stock)
                 WHERE r.tenant_id = u.tenant_id AND r.key = u.key AND r.version = u.was
                 RETURNING 1),
              ledgered AS (
                 INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
                                     available_after, reserved_after, consumed_after, version_after, plugin_version, at,
-                                    line_key)
-                SELECT t, k, 0, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk
+                                    line_key, limit_key)
+                SELECT t, k, 0, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk, lm
                 FROM UNNEST($9::text[], $10::text[], $11::text[], $12::bigint[], $13::text[], $14::text[], $15::text[],
                             $16::bigint[], $17::bigint[], $18::bigint[], $19::bigint[], $20::bigint[], $21::bigint[],
-                            $39::text[])
-                     WITH ORDINALITY AS u (t, k, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk, n)
+                            $39::text[], $41::text[])
+                     WITH ORDINALITY AS u (t, k, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk, lm, n)
                 ORDER BY n
                 RETURNING 1),
              held AS (
@@ -776,6 +797,11 @@ impl Port for PgPort<'_> {
                 SELECT t, id, o, 'held', ls, e, cr, cr
                 FROM UNNEST($22::text[], $23::text[], $24::text[], $25::text[], $26::bigint[], $27::bigint[])
                      AS u (t, id, o, ls, e, cr)
+                RETURNING 1),
+             moved AS (
+                UPDATE reservations r SET state = u.state, updated_at = u.at
+                FROM UNNEST($42::text[], $43::text[], $44::text[], $45::bigint[]) AS u (tenant_id, id, state, at)
+                WHERE r.tenant_id = u.tenant_id AND r.id = u.id AND r.state = 'held'
                 RETURNING 1),
              answered AS (
                 UPDATE idempotency i SET response_code = u.code, response_type = u.kind, response_body = u.body
@@ -788,7 +814,8 @@ impl Port for PgPort<'_> {
                 SELECT * FROM UNNEST($33::text[], $34::text[], $35::text[], $36::text[], $37::bigint[], $38::text[])
                 RETURNING 1)
              SELECT (SELECT COUNT(*) FROM written) AS written, (SELECT COUNT(*) FROM ledgered) AS ledgered,
-                    (SELECT COUNT(*) FROM held) AS held, (SELECT COUNT(*) FROM answered) AS answered,
+                    (SELECT COUNT(*) FROM held) AS held, (SELECT COUNT(*) FROM moved) AS moved,
+                    (SELECT COUNT(*) FROM answered) AS answered,
                     (SELECT COUNT(*) FROM evented) AS evented",
         )
         .bind(col(c, |x| x.tenant.clone()))
@@ -830,6 +857,12 @@ impl Port for PgPort<'_> {
         .bind(col(ev, |x| x.at))
         .bind(col(ev, |x| x.data.clone()))
         .bind(col(l, |x| x.line_key.clone()))
+        .bind(col(c, |x| x.stock.as_str()))
+        .bind(col(l, |x| x.limit_key.clone()))
+        .bind(col(m, |x| x.tenant.clone()))
+        .bind(col(m, |x| x.id.clone()))
+        .bind(col(m, |x| x.to.as_str()))
+        .bind(col(m, |x| x.at))
         .fetch_one(&mut *self.conn)
         .await?;
         let count = |name: &str| -> Result<u64, StorageError> { Ok(counts.try_get::<i64, _>(name)?.max(0) as u64) };
@@ -837,6 +870,7 @@ impl Port for PgPort<'_> {
             ("written", c.len()),
             ("ledgered", l.len()),
             ("held", r.len()),
+            ("moved", m.len()),
             ("answered", o.len()),
             ("evented", ev.len()),
         ] {

@@ -28,14 +28,15 @@ use super::{
     OrderExecution, OrderJob, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError, TenantRecord,
     Transition,
 };
+use crate::apply::batch::MoveJob;
 use crate::apply::port::run_now;
 use crate::apply::reversals::{ReversalJob, Reversed};
 use crate::apply::{buckets, reads, reservations, resources, reversals};
 use crate::engine::reversal::OrderLedger;
 use crate::engine::OrderId;
 use crate::engine::{
-    LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ResourceKey, ResourceState,
-    ResourceStatus, TenantId,
+    LedgerEntry, OrderDocument, OrderRequest, Pass, Plan, Reconciliation, Reservation, ReservationState, ResourceKey,
+    ResourceState, ResourceStatus, TenantId,
 };
 use crate::events::{Event, EventType};
 use crate::ratelimit::RateLimit;
@@ -404,17 +405,13 @@ impl Storage for SqliteStorage {
     }
 
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
-        let (tenant, id) = (tenant.clone(), id.to_string());
-        self.writer()?
-            .submit(move |conn| run_now(reservations::confirm(&mut SqlitePort::new(conn), &tenant, &id, now_ms)))
-            .await
+        let job = MoveJob { tenant: tenant.clone(), id: id.to_string(), to: ReservationState::Confirmed };
+        self.writer()?.submit_move(job, now_ms).await
     }
 
     async fn release_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
-        let (tenant, id) = (tenant.clone(), id.to_string());
-        self.writer()?
-            .submit(move |conn| run_now(reservations::release(&mut SqlitePort::new(conn), &tenant, &id, now_ms)))
-            .await
+        let job = MoveJob { tenant: tenant.clone(), id: id.to_string(), to: ReservationState::Released };
+        self.writer()?.submit_move(job, now_ms).await
     }
 
     async fn expire_due(&self, now_ms: i64, limit: u32) -> Result<u64, StorageError> {

@@ -539,6 +539,15 @@ impl Port for SqlitePort<'_> {
         Ok(moved == 1)
     }
 
+    /// The only writer holds every row already.
+    async fn lock_reservations(&mut self, wanted: &[(&str, &str)]) -> Result<Vec<Option<Reservation>>, StorageError> {
+        let mut found = Vec::with_capacity(wanted.len());
+        for (tenant, id) in wanted {
+            found.push(self.reservation(tenant, id).await?);
+        }
+        Ok(found)
+    }
+
     async fn due_reservations(&mut self, now_ms: i64, limit: u32) -> Result<Vec<(String, Reservation)>, StorageError> {
         let due: Vec<(String, Result<Reservation, StorageError>)> = self
             .conn
@@ -644,7 +653,8 @@ impl Port for SqlitePort<'_> {
             let written = self
                 .conn
                 .prepare_cached(
-                    "UPDATE resources SET available = ?1, reserved = ?2, consumed = ?3, version = ?4, updated_at = ?5
+                    "UPDATE resources SET available = ?1, reserved = ?2, consumed = ?3, version = ?4, updated_at = ?5,
+                                          stock = ?9
                      WHERE tenant_id = ?6 AND key = ?7 AND version = ?8",
                 )?
                 .execute(params![
@@ -655,7 +665,8 @@ impl Port for SqlitePort<'_> {
                     row.at,
                     row.tenant,
                     row.key,
-                    row.read_version
+                    row.read_version,
+                    row.stock.as_str()
                 ])?;
             if written != 1 {
                 return Err(StorageError::Internal(format!("resource {} changed under the writer", row.key)));
@@ -671,16 +682,21 @@ impl Port for SqlitePort<'_> {
                 request_id: &l.request_id,
                 order_id: Some(&l.order_id),
                 reservation_id: l.reservation_id.as_deref(),
-                plugin_version: Some(l.plugin_version),
+                plugin_version: l.plugin_version,
                 at: l.at,
                 line_key: Some(&l.line_key),
-                limit_key: None,
+                limit_key: l.limit_key.as_deref(),
                 reverses: None,
             };
             self.ledger(&entry, l.after)?;
         }
         for r in &w.reservations {
             self.insert_reservation(r).await?;
+        }
+        for m in &w.moves {
+            if !self.leave_held(&m.tenant, &m.id, m.to, m.at).await? {
+                return Err(StorageError::Internal(format!("reservation {} left held under the writer", m.id)));
+            }
         }
         for o in &w.outcomes {
             self.conn.prepare_cached(INSERT_OUTCOME)?.execute(params![

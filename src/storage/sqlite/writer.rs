@@ -26,9 +26,10 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::port::SqlitePort;
 use crate::apply;
+use crate::apply::batch::MoveJob;
 use crate::apply::port::run_now;
 use crate::jobs::supervisor::faults;
-use crate::storage::{OrderExecution, OrderJob, StorageError};
+use crate::storage::{OrderExecution, OrderJob, StorageError, Transition};
 
 /// The writer's name in metrics and fault hooks.
 const WRITER_JOB: &str = "sqlite_writer";
@@ -45,6 +46,26 @@ enum Job {
     /// An order, which the writer may decide together with the batch's other orders by
     /// in-memory admission (one read and one write per hot row per batch).
     Order(Box<OrderWork>),
+    /// A reservation's confirm or release, decided with the batch's orders where it can be.
+    Move(Box<MoveWork>),
+}
+
+struct MoveWork {
+    job: MoveJob,
+    now_ms: i64,
+    reply: oneshot::Sender<Result<Transition, StorageError>>,
+}
+
+impl MoveWork {
+    /// The move as a plain job, decided on its own in its own savepoint.
+    fn into_work(self) -> Work {
+        let MoveWork { job, now_ms, reply } = self;
+        Box::new(move |conn| {
+            let result = run_now(apply::reservations::execute(&mut SqlitePort::new(conn), &job, now_ms));
+            let ok = result.is_ok();
+            (ok, answer(reply, result))
+        })
+    }
 }
 
 struct OrderWork {
@@ -130,6 +151,14 @@ impl Writer {
         self.queue.send(order).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }
+
+    /// Queues a reservation's confirm or release (see [`Job::Move`]).
+    pub async fn submit_move(&self, job: MoveJob, now_ms: i64) -> Result<Transition, StorageError> {
+        let (reply, rx) = oneshot::channel();
+        let queued = Job::Move(Box::new(MoveWork { job, now_ms, reply }));
+        self.queue.send(queued).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
+        rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
+    }
 }
 
 fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, limits: WriterLimits) {
@@ -195,14 +224,16 @@ fn commit_batch(conn: &Connection, batch: &mut Vec<Job>) {
     let mut completions = Vec::with_capacity(batch.len());
     let mut works = Vec::with_capacity(batch.len());
     let mut orders = Vec::new();
+    let mut moves = Vec::new();
     for job in std::mem::take(batch) {
         match job {
             Job::Work(work) => works.push(work),
             Job::Order(order) => orders.push(*order),
+            Job::Move(queued) => moves.push(*queued),
         }
     }
-    // The orders first, together; those admission leaves alone run on their own below.
-    works.extend(admit_orders(conn, orders, &mut completions));
+    // The orders and moves first, together; those admission leaves alone run on their own below.
+    works.extend(admit(conn, orders, moves, &mut completions));
     // Jobs left over after a savepoint failure are dropped: their callers get Unavailable.
     for job in works {
         if let Err(err) = exec(conn, "SAVEPOINT job") {
@@ -240,22 +271,38 @@ fn commit_batch(conn: &Connection, batch: &mut Vec<Job>) {
     }
 }
 
-/// Decides the batch's orders together in one savepoint (see [`apply::batch`]),
-/// queueing the answers of those it decided; returns the rest as jobs of their own. If the
-/// savepoint fails as a whole, every order runs on its own instead.
-fn admit_orders(conn: &Connection, orders: Vec<OrderWork>, completions: &mut Vec<Completion>) -> Vec<Work> {
-    if orders.len() < 2 {
-        return orders.into_iter().map(OrderWork::into_work).collect();
+/// Decides the batch's orders and reservation moves together by admission (see
+/// [`apply::batch`]) in a savepoint of their own, queueing the answers of those it decided;
+/// returns the rest as jobs of their own. If the savepoint fails as a whole, every one of them
+/// runs on its own instead.
+fn admit(
+    conn: &Connection,
+    orders: Vec<OrderWork>,
+    moves: Vec<MoveWork>,
+    completions: &mut Vec<Completion>,
+) -> Vec<Work> {
+    let alone = |orders: Vec<OrderWork>, moves: Vec<MoveWork>| -> Vec<Work> {
+        orders.into_iter().map(OrderWork::into_work).chain(moves.into_iter().map(MoveWork::into_work)).collect()
+    };
+    if orders.len() + moves.len() < 2 {
+        return alone(orders, moves);
     }
     if let Err(err) = exec(conn, "SAVEPOINT orders") {
         tracing::error!(error = %err, "writer could not open a savepoint");
-        return orders.into_iter().map(OrderWork::into_work).collect();
+        return alone(orders, moves);
     }
     let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&*o.job, o.now_ms)).collect();
+    let moving: Vec<(&MoveJob, i64)> = moves.iter().map(|m| (&m.job, m.now_ms)).collect();
     let mut port = SqlitePort::new(conn);
-    let wanted = jobs.iter().flat_map(|(job, _)| job.plan.resources().map(|key| (job.tenant.as_str(), key.as_str())));
     let mark = events::writer_mark();
-    let decided = port.admission_rows(wanted).and_then(|rows| run_now(apply::batch::admit(&mut port, &jobs, rows)));
+    let decided = run_now(apply::batch::read_moves(&mut port, &moving)).and_then(|found| {
+        let wanted = jobs
+            .iter()
+            .flat_map(|(job, _)| job.plan.resources().map(|key| (job.tenant.as_str(), key.as_str())))
+            .chain(apply::batch::move_resources(&moving, &found));
+        let rows = port.admission_rows(wanted)?;
+        run_now(apply::batch::admit(&mut port, &jobs, &moving, found, rows))
+    });
     let closed = match &decided {
         Ok(_) => exec(conn, "RELEASE orders"),
         Err(_) => {
@@ -263,19 +310,19 @@ fn admit_orders(conn: &Connection, orders: Vec<OrderWork>, completions: &mut Vec
             exec(conn, "ROLLBACK TO orders").and_then(|_| exec(conn, "RELEASE orders"))
         }
     };
-    let outcomes = match (decided, closed) {
-        (Ok(outcomes), Ok(_)) => outcomes,
+    let decided = match (decided, closed) {
+        (Ok(decided), Ok(_)) => decided,
         (Err(err), _) => {
-            tracing::warn!(error = %err, "batch admission failed; deciding its orders one by one");
-            Vec::new()
+            tracing::warn!(error = %err, "batch admission failed; deciding its writes one by one");
+            apply::batch::Decided::default()
         }
         (Ok(_), Err(err)) => {
             tracing::error!(error = %err, "writer could not close a savepoint");
-            Vec::new()
+            apply::batch::Decided::default()
         }
     };
     let mut rest = Vec::new();
-    let mut outcomes = outcomes.into_iter();
+    let mut outcomes = decided.orders.into_iter();
     for order in orders {
         match outcomes.next().flatten() {
             Some(execution) => {
@@ -283,6 +330,13 @@ fn admit_orders(conn: &Connection, orders: Vec<OrderWork>, completions: &mut Vec
                 completions.push(answer(order.reply, Ok(execution)));
             }
             None => rest.push(order.into_work()),
+        }
+    }
+    let mut transitions = decided.moves.into_iter();
+    for queued in moves {
+        match transitions.next().flatten() {
+            Some(transition) => completions.push(answer(queued.reply, Ok(transition))),
+            None => rest.push(queued.into_work()),
         }
     }
     rest
