@@ -417,6 +417,9 @@ pub struct DatabaseConfig {
     /// SQLite `synchronous`: "full" survives power loss, "normal" only process crashes.
     pub sqlite_synchronous: String,
     pub busy_timeout_ms: u64,
+    /// SQLite: the size the WAL file is cut back to whenever it starts over after a checkpoint
+    /// (`PRAGMA journal_size_limit`), so a burst that grew it does not keep the disk space.
+    pub sqlite_wal_limit_bytes: u64,
     /// PostgreSQL: how long a request waits for a pooled connection before 503 unavailable.
     pub acquire_timeout_ms: u64,
     /// PostgreSQL: how often a batch that hit a serialization failure, deadlock or lost
@@ -431,6 +434,7 @@ impl Default for DatabaseConfig {
             max_connections: 8,
             sqlite_synchronous: "full".into(),
             busy_timeout_ms: 5_000,
+            sqlite_wal_limit_bytes: 64 * 1024 * 1024,
             acquire_timeout_ms: 2_000,
             max_retries: 5,
         }

@@ -71,6 +71,7 @@ fn sqlite_settings(config: &Config) -> SqliteSettings {
         read_connections: config.database.max_connections,
         synchronous_full: config.database.sqlite_synchronous == "full",
         busy_timeout: Duration::from_millis(config.database.busy_timeout_ms),
+        wal_limit_bytes: config.database.sqlite_wal_limit_bytes,
         writer: writer_limits(&config.batch),
     }
 }

@@ -50,6 +50,8 @@ pub struct SqliteSettings {
     /// process crash.
     pub synchronous_full: bool,
     pub busy_timeout: Duration,
+    /// What the WAL file is cut back to when it starts over (`PRAGMA journal_size_limit`).
+    pub wal_limit_bytes: u64,
     pub writer: WriterLimits,
 }
 
@@ -174,6 +176,9 @@ fn open_writer(path: &Path, settings: &SqliteSettings) -> Result<rusqlite::Conne
     conn.pragma_update(None, "temp_store", "MEMORY")?;
     // See `Checkpointer`: the writer's checkpoint keeps the WAL bounded.
     conn.pragma_update(None, "wal_autocheckpoint", WRITER_AUTOCHECKPOINT_PAGES)?;
+    // Without a limit the WAL file keeps the largest size it ever reached (it is reused from
+    // its start, never shrunk); with one, it is truncated to the limit each time it starts over.
+    conn.pragma_update(None, "journal_size_limit", i64::try_from(settings.wal_limit_bytes).unwrap_or(i64::MAX))?;
     // Room for every statement the writer prepares, so none is ever re-prepared.
     conn.set_prepared_statement_cache_capacity(64);
     Ok(conn)
