@@ -5,7 +5,12 @@
 //! scenario with N concurrent clients for a fixed time, then checks the invariants over HTTP
 //! (no negative state, `available + reserved + consumed == total`, reconciliation without drift,
 //! acknowledged successes == consumed) and prints one table (and optionally a JSON file):
-//! throughput, p50/p95/p99/max latency, rejections by reason, the server's peak RSS.
+//! throughput, p50/p95/p99/max latency, rejections by reason, the server's peak RSS and CPU time
+//! per operation.
+//!
+//! `--orders N` replaces the duration by a fixed amount of work, and `--exec-before-load` /
+//! `--exec-after-load` run a command around each load, so a profiler attached to the server
+//! (`scripts/bench/callgrind.sh`) counts exactly the load.
 //!
 //! Baselines measured in the same run on the same database: `ceiling` (`GET /healthz` under the
 //! same clients), `row-lock` and `guarded-per-request` (see [`baseline`]); each stockd scenario
@@ -29,7 +34,7 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 use baseline::Naive;
-use load::{Target, Workload};
+use load::{Limit, Target, Workload};
 use server::Server;
 
 /// The storage backend of the server the bench starts.
@@ -66,6 +71,21 @@ pub struct BenchArgs {
     /// Seconds each scenario runs.
     #[arg(long, default_value_t = 10)]
     pub duration_secs: u64,
+    /// Instead of --duration-secs: each HTTP scenario stops after exactly this many orders,
+    /// between all clients (reserve-confirm and deduct-reverse: each with its follow-up call;
+    /// ceiling: health checks). The baselines and noisy-neighbour still run for the duration.
+    #[arg(long)]
+    pub orders: Option<u64>,
+    /// How long the load generator waits for one answer (raise it for a server under valgrind).
+    #[arg(long, default_value_t = 30)]
+    pub client_timeout_secs: u64,
+    /// A shell command (`sh -c`) run just before each HTTP scenario's load, after its setup, with
+    /// STOCKD_BENCH_SCENARIO set to the scenario's name; the bench stops if it fails.
+    #[arg(long)]
+    pub exec_before_load: Option<String>,
+    /// A shell command run just after each HTTP scenario's load, before its checks (as above).
+    #[arg(long)]
+    pub exec_after_load: Option<String>,
     /// Comma-separated scenarios: hot-key, uniform, multi-line, replay-storm, reserve-confirm,
     /// deduct-reverse (each order deducts 2 and reverses 1), ceiling, row-lock,
     /// guarded-per-request; and redis-hot-key (needs STOCKD_REDIS_URL) and
@@ -227,16 +247,20 @@ fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let scenarios =
         args.scenarios.iter().map(|s| parse_scenario(s, &args.plugins_dir)).collect::<anyhow::Result<Vec<_>>>()?;
-    if args.clients == 0 || args.duration_secs == 0 {
-        bail!("--clients and --duration-secs must be positive");
+    if args.clients == 0 || args.duration_secs == 0 || args.orders == Some(0) || args.client_timeout_secs == 0 {
+        bail!("--clients, --duration-secs, --orders and --client-timeout-secs must be positive");
     }
     let mut server = match &args.url {
         Some(url) => Server::external(url, args.admin_token.clone())?.with_pid(args.server_pid),
         None => Server::start(args.backend, &args.database_url).await?,
     };
+    let per_scenario = match args.orders {
+        Some(n) => format!("{n} orders"),
+        None => format!("{} s", args.duration_secs),
+    };
     eprintln!(
-        "bench: server at {} ({:?}), {} clients, {} s per scenario",
-        server.base, args.backend, args.clients, args.duration_secs
+        "bench: server at {} ({:?}), {} clients, {per_scenario} per scenario",
+        server.base, args.backend, args.clients
     );
     let outcome = run_all(&args, &server, &scenarios).await;
     server.stop().await;
@@ -254,30 +278,36 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How long the load generator waits for an answer unless told otherwise.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The load generator's HTTP client, keeping a connection per closed-loop client.
-fn http_client(clients: usize) -> anyhow::Result<reqwest::Client> {
+fn http_client(clients: usize, timeout: Duration) -> anyhow::Result<reqwest::Client> {
     reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(clients)
-        .timeout(Duration::from_secs(30))
+        .timeout(timeout)
         .build()
         .context("building the HTTP client")
 }
 
 async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> anyhow::Result<Vec<ScenarioResult>> {
-    let client = http_client(args.clients)?;
+    let client = http_client(args.clients, Duration::from_secs(args.client_timeout_secs))?;
     let api_key = load::create_tenant(&client, &server.base, &server.admin_token).await?;
     let target = Arc::new(Target { client, base: server.base.clone(), api_key });
     let duration = Duration::from_secs(args.duration_secs);
+    let limit = args.orders.map_or(Limit::Time(duration), Limit::Orders);
     let mut results = Vec::new();
     for scenario in scenarios {
         match scenario {
             Scenario::Http(w) => {
                 eprintln!("bench: {} ...", w.name());
                 load::create_resources(&target, *w).await.with_context(|| format!("setting up {}", w.name()))?;
+                exec_hook(args.exec_before_load.as_deref(), w.name()).await?;
                 let cpu = server.cpu_us();
-                let stats = load::run(&target, *w, args.clients, duration).await?;
+                let stats = load::run(&target, *w, args.clients, limit).await?;
                 let cpu = cpu_per_op(cpu, server.cpu_us(), stats.ok);
+                exec_hook(args.exec_after_load.as_deref(), w.name()).await?;
                 let violations =
                     load::check(&target, *w, &stats).await.with_context(|| format!("checking {}", w.name()))?;
                 let mut row = summarize(w.name(), args, stats, violations, server.peak_rss_kib());
@@ -287,9 +317,11 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
             Scenario::RedisHotKey => {
                 eprintln!("bench: {} ...", redis_hot::NAME);
                 redis_hot::create_resource(&target).await?;
+                exec_hook(args.exec_before_load.as_deref(), redis_hot::NAME).await?;
                 let cpu = server.cpu_us();
-                let stats = redis_hot::run(&target, args.clients, duration).await?;
+                let stats = redis_hot::run(&target, args.clients, limit).await?;
                 let cpu = cpu_per_op(cpu, server.cpu_us(), stats.ok);
+                exec_hook(args.exec_after_load.as_deref(), redis_hot::NAME).await?;
                 let violations = redis_hot::check(&target, &stats).await?;
                 let mut row = summarize(redis_hot::NAME, args, stats, violations, server.peak_rss_kib());
                 row.server_cpu_us_per_op = cpu;
@@ -315,6 +347,23 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
         }
     }
     Ok(results)
+}
+
+/// Runs `command` with `sh -c` (when given), STOCKD_BENCH_SCENARIO set to `scenario`.
+async fn exec_hook(command: Option<&str>, scenario: &str) -> anyhow::Result<()> {
+    let Some(command) = command else { return Ok(()) };
+    let status = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .env("STOCKD_BENCH_SCENARIO", scenario)
+        .stdin(std::process::Stdio::null())
+        .status()
+        .await
+        .with_context(|| format!("running {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed ({status}) around {scenario}");
+    }
+    Ok(())
 }
 
 /// CPU µs per successful operation between two readings of the server's CPU time.
