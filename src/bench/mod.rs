@@ -6,7 +6,8 @@
 //! (no negative state, `available + reserved + consumed == total`, reconciliation without drift,
 //! acknowledged successes == consumed) and prints one table (and optionally a JSON file):
 //! throughput, p50/p95/p99/max latency, rejections by reason, the server's peak RSS and CPU time
-//! per operation.
+//! per operation and, when it started the server, what each scenario wrote to disk per
+//! operation ([`storage`]).
 //!
 //! `--orders N` replaces the duration by a fixed amount of work, and `--exec-before-load` /
 //! `--exec-after-load` run a command around each load, so a profiler attached to the server
@@ -24,6 +25,7 @@ pub mod load;
 pub mod noisy;
 pub mod redis_hot;
 pub mod server;
+pub mod storage;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -162,6 +164,10 @@ pub struct ScenarioResult {
     /// `None` when the bench cannot see the server's process (`--url` without `--server-pid`) or
     /// the scenario does not load the server (the baselines).
     pub server_cpu_us_per_op: Option<f64>,
+    /// What the scenario wrote to disk, per successful operation; `None`s with `--url` and for
+    /// `ceiling` and `noisy-neighbour`.
+    #[serde(flatten)]
+    pub storage: storage::Usage,
     pub ratio_to_ceiling: Option<f64>,
     pub ratio_to_row_lock: Option<f64>,
     pub ratio_to_guarded_per_request: Option<f64>,
@@ -208,6 +214,7 @@ fn summarize(
         violations,
         server_peak_rss_kib: rss,
         server_cpu_us_per_op: None,
+        storage: storage::Usage::default(),
         ratio_to_ceiling: None,
         ratio_to_row_lock: None,
         ratio_to_guarded_per_request: None,
@@ -303,28 +310,48 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
             Scenario::Http(w) => {
                 eprintln!("bench: {} ...", w.name());
                 load::create_resources(&target, *w).await.with_context(|| format!("setting up {}", w.name()))?;
+                let probe = match server.db.as_ref().filter(|_| *w != Workload::Ceiling) {
+                    Some(db) => storage::Probe::start(db).await,
+                    None => None,
+                };
                 exec_hook(args.exec_before_load.as_deref(), w.name()).await?;
                 let cpu = server.cpu_us();
                 let stats = load::run(&target, *w, args.clients, limit).await?;
                 let cpu = cpu_per_op(cpu, server.cpu_us(), stats.ok);
                 exec_hook(args.exec_after_load.as_deref(), w.name()).await?;
+                let usage = match probe {
+                    Some(p) => p.finish(stats.ok).await,
+                    None => storage::Usage::default(),
+                };
                 let violations =
                     load::check(&target, *w, &stats).await.with_context(|| format!("checking {}", w.name()))?;
                 let mut row = summarize(w.name(), args, stats, violations, server.peak_rss_kib());
                 row.server_cpu_us_per_op = cpu;
+                row.storage = usage;
                 results.push(row);
             }
             Scenario::RedisHotKey => {
                 eprintln!("bench: {} ...", redis_hot::NAME);
                 redis_hot::create_resource(&target).await?;
+                let probe = match &server.db {
+                    Some(db) => storage::Probe::start(db).await,
+                    None => None,
+                };
                 exec_hook(args.exec_before_load.as_deref(), redis_hot::NAME).await?;
                 let cpu = server.cpu_us();
                 let stats = redis_hot::run(&target, args.clients, limit).await?;
                 let cpu = cpu_per_op(cpu, server.cpu_us(), stats.ok);
                 exec_hook(args.exec_after_load.as_deref(), redis_hot::NAME).await?;
+                // Sized (and the WAL sampled) until after the check, which waits until every sale
+                // is settled into the database.
                 let violations = redis_hot::check(&target, &stats).await?;
+                let usage = match probe {
+                    Some(p) => p.finish(stats.ok).await,
+                    None => storage::Usage::default(),
+                };
                 let mut row = summarize(redis_hot::NAME, args, stats, violations, server.peak_rss_kib());
                 row.server_cpu_us_per_op = cpu;
+                row.storage = usage;
                 results.push(row);
             }
             Scenario::NoisyNeighbour(fuel_burner) => {
@@ -341,8 +368,16 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                     continue;
                 };
                 eprintln!("bench: {} ...", n.name());
+                baseline::setup(db).await.with_context(|| format!("setting up {}", n.name()))?;
+                let probe = storage::Probe::start(db).await;
                 let (stats, violations) = baseline::run(db, *n, args.clients, duration).await?;
-                results.push(summarize(n.name(), args, stats, violations, None));
+                let usage = match probe {
+                    Some(p) => p.finish(stats.ok).await,
+                    None => storage::Usage::default(),
+                };
+                let mut row = summarize(n.name(), args, stats, violations, None);
+                row.storage = usage;
+                results.push(row);
             }
         }
     }
@@ -421,9 +456,24 @@ fn print_table(results: &[ScenarioResult]) {
     }
 }
 
+/// The storage columns: bytes per order and, on SQLite, the WAL file's peak in MiB, or on
+/// PostgreSQL the WAL written per order in bytes.
+fn storage_cells(r: &ScenarioResult) -> (String, String) {
+    let per_order = r.storage.bytes_per_order.map_or_else(|| "-".into(), |b| format!("{b:.0}"));
+    let wal = match r.backend {
+        Backend::Sqlite => r.storage.wal_peak_bytes.map(|b| format!("{:.1}", b as f64 / (1024.0 * 1024.0))),
+        Backend::Postgres => r.storage.wal_bytes_per_order.map(|b| format!("{b:.0}")),
+    };
+    (per_order, wal.unwrap_or_else(|| "-".into()))
+}
+
 fn print_main_table(results: &[&ScenarioResult]) {
+    let wal_header = match results.first().map(|r| r.backend) {
+        Some(Backend::Postgres) => "walB/ord",
+        _ => "wal MiB",
+    };
     println!(
-        "{:<20} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  rejections",
+        "{:<20} {:>8} {:>7} {:>7} {:>7} {:>8} {:>7} {:>9} {:>7} {:>8} {:>6} {:>8} {:>8} {:>4} {:>8}  rejections",
         "scenario",
         "ok/s",
         "p50 ms",
@@ -432,6 +482,8 @@ fn print_main_table(results: &[&ScenarioResult]) {
         "max ms",
         "rss MiB",
         "cpu us/op",
+        "B/order",
+        wal_header,
         "xceil",
         "xrowlock",
         "xguarded",
@@ -439,8 +491,9 @@ fn print_main_table(results: &[&ScenarioResult]) {
         "replayed"
     );
     for r in results {
+        let (per_order, wal) = storage_cells(r);
         println!(
-            "{:<20} {:>10.0} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  {}",
+            "{:<20} {:>8.0} {:>7} {:>7} {:>7} {:>8} {:>7} {:>9} {:>7} {:>8} {:>6} {:>8} {:>8} {:>4} {:>8}  {}",
             r.scenario,
             r.ok_per_sec,
             ms(r.p50_us),
@@ -449,6 +502,8 @@ fn print_main_table(results: &[&ScenarioResult]) {
             ms(r.max_us),
             r.server_peak_rss_kib.map_or_else(|| "-".into(), |k| format!("{:.1}", k as f64 / 1024.0)),
             r.server_cpu_us_per_op.map_or_else(|| "-".into(), |us| format!("{us:.1}")),
+            per_order,
+            wal,
             ratio(r.ratio_to_ceiling),
             ratio(r.ratio_to_row_lock),
             ratio(r.ratio_to_guarded_per_request),
