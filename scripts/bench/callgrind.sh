@@ -11,7 +11,8 @@
 # scenarios of two requests per order),
 # CLIENTS (concurrent clients, default 16), DATABASE_URL (the PostgreSQL server on which a fresh
 # database is created and dropped; default postgres://postgres@127.0.0.1:5432/postgres),
-# IDLE_SECS (length of the idle measurement, default 10; 0 skips it).
+# IDLE_SECS (length of the idle measurement, default 10; 0 skips it), KEEP_DUMPS (a directory to
+# keep each load's dump in, as callgrind.BACKEND.SCENARIO.out, for callgrind_annotate).
 #
 # For each scenario, on a fresh database (a SQLite file in a temp dir, or a new PostgreSQL
 # database), it starts `stockd serve` under `valgrind --tool=callgrind --separate-threads=no`
@@ -42,6 +43,7 @@ SCENARIOS=${SCENARIOS:-hot-key,uniform}
 CLIENTS=${CLIENTS:-16}
 DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 IDLE_SECS=${IDLE_SECS:-10}
+KEEP_DUMPS=${KEEP_DUMPS:-}
 
 case "$BACKEND" in sqlite | postgres) ;; *)
     echo "backend must be sqlite or postgres, not $BACKEND" >&2
@@ -170,6 +172,10 @@ for scenario in "${scenario_list[@]}"; do
         exit 1
     }
     ir=$(total_ir "$load_dump")
+    if [ -n "$KEEP_DUMPS" ]; then
+        mkdir -p "$KEEP_DUMPS"
+        cp "$load_dump" "$KEEP_DUMPS/callgrind.$BACKEND.$scenario.out"
+    fi
     idle_rate=- idle_per_order=-
     if [ "$IDLE_SECS" -gt 0 ]; then
         callgrind_control -z "$SERVER_PID" >/dev/null 2>&1
