@@ -29,9 +29,9 @@
 # reconciliation pass is switched off, because whether it falls inside the load depends on the
 # wall time. The idle column is the same server's count per second with no load (measured after
 # the load for IDLE_SECS), and idle/order that rate times the load's wall time divided by the
-# orders: the share of the figure that is not the orders' (about 1 % in our runs).
+# orders: the share of the figure that is not the orders' (under 1.5 % in our runs).
 #
-# Under valgrind the server runs 30-100x slower, so the client timeout and the server's
+# Under valgrind the server runs 20-50x slower, so the client timeout and the server's
 # request_timeout_ms are raised to 10 minutes. Clients are concurrent so that group commit
 # batches orders as it does natively; the count is fixed, not the time.
 set -euo pipefail
