@@ -10,10 +10,12 @@
 //!   the freelist is in no table). A background task samples the WAL every [`WAL_SAMPLE_EVERY`]
 //!   during the load: its peak and its length when the load ends. What is sampled is the length
 //!   in use (header and frames up to the last committed one, read from the wal-index in the
-//!   `-shm` file), not the `-wal` file's size: the server never truncates the file, so its size
-//!   is the largest the WAL has been since the server started, not this scenario's. Truncating it
-//!   before each scenario instead would make the first commits of every scenario extend the file
-//!   (a metadata flush with each `fsync`), which the server otherwise pays only once.
+//!   `-shm` file), not the `-wal` file's size: SQLite writes the WAL again from the start of the
+//!   file and shrinks the file at most to a size limit when it does, so the file's size is the
+//!   longest the WAL has been since start-up (or since it last exceeded the limit), not this
+//!   scenario's. Truncating the file before each scenario instead would make the first commits of
+//!   every scenario extend it (a metadata flush with each `fsync`), which the server otherwise
+//!   pays only once.
 //! - PostgreSQL: the sum of `pg_total_relation_size` (heap, indexes, TOAST, free space and
 //!   visibility maps) over every table of the database outside the system catalogs (idempotency,
 //!   ledger, events, reservations, the baselines' tables, ...), and the WAL written as the
