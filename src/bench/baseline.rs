@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use rusqlite::{params, OptionalExtension};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgPool, Row};
+use sqlx::{ConnectOptions, Connection, PgPool, Row};
 
 use super::load::TOTAL;
 use super::server::DbAccess;
@@ -43,7 +43,19 @@ impl Naive {
 
 const KEY: &str = "hot";
 
-/// Runs one baseline and checks its invariants; returns the stats and the violations found.
+/// Creates the baselines' tables afresh (dropping a previous baseline's) with the one row.
+pub async fn setup(db: &DbAccess) -> anyhow::Result<()> {
+    match db {
+        DbAccess::Sqlite(path) => {
+            let p = path.to_path_buf();
+            tokio::task::spawn_blocking(move || sqlite_setup(&p)).await.context("setup task")?
+        }
+        DbAccess::Postgres(url) => postgres_setup(url).await,
+    }
+}
+
+/// Runs one baseline on the tables [`setup`] created and checks its invariants; returns the
+/// stats and the violations found.
 pub async fn run(
     db: &DbAccess,
     which: Naive,
@@ -152,8 +164,6 @@ fn sqlite_once(conn: &mut rusqlite::Connection, which: Naive, request_id: &str) 
 }
 
 async fn sqlite(path: &Path, which: Naive, clients: usize, duration: Duration) -> anyhow::Result<(Stats, Vec<String>)> {
-    let p = path.to_path_buf();
-    tokio::task::spawn_blocking(move || sqlite_setup(&p)).await.context("setup task")??;
     let started = Instant::now();
     let deadline = started + duration;
     let handles: Vec<_> = (0..clients)
@@ -245,6 +255,28 @@ async fn pg_once(pool: &PgPool, which: Naive, request_id: &str) -> Result<bool, 
     Ok(true)
 }
 
+async fn postgres_setup(url: &str) -> anyhow::Result<()> {
+    let opts = PgConnectOptions::from_str(url).context("parsing the bench database URL")?;
+    let mut conn = opts.connect().await.context("connecting to set up the baselines")?;
+    for stmt in [
+        "DROP TABLE IF EXISTS bench_naive",
+        "DROP TABLE IF EXISTS bench_naive_ledger",
+        "CREATE TABLE bench_naive (key TEXT PRIMARY KEY, available BIGINT NOT NULL, consumed BIGINT NOT NULL)",
+        "CREATE TABLE bench_naive_ledger (id BIGSERIAL PRIMARY KEY, key TEXT NOT NULL, qty BIGINT NOT NULL,
+             request_id TEXT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT now())",
+    ] {
+        sqlx::query(stmt).execute(&mut conn).await.with_context(|| format!("baseline setup: {stmt}"))?;
+    }
+    sqlx::query("INSERT INTO bench_naive (key, available, consumed) VALUES ($1, $2, 0)")
+        .bind(KEY)
+        .bind(TOTAL)
+        .execute(&mut conn)
+        .await
+        .context("baseline seed row")?;
+    conn.close().await.ok();
+    Ok(())
+}
+
 async fn postgres(url: &str, which: Naive, clients: usize, duration: Duration) -> anyhow::Result<(Stats, Vec<String>)> {
     let opts = PgConnectOptions::from_str(url).context("parsing the bench database URL")?;
     let max = u32::try_from(clients).unwrap_or(u32::MAX);
@@ -254,21 +286,6 @@ async fn postgres(url: &str, which: Naive, clients: usize, duration: Duration) -
         .connect_with(opts)
         .await
         .context("connecting the baseline pool")?;
-    for stmt in [
-        "DROP TABLE IF EXISTS bench_naive",
-        "DROP TABLE IF EXISTS bench_naive_ledger",
-        "CREATE TABLE bench_naive (key TEXT PRIMARY KEY, available BIGINT NOT NULL, consumed BIGINT NOT NULL)",
-        "CREATE TABLE bench_naive_ledger (id BIGSERIAL PRIMARY KEY, key TEXT NOT NULL, qty BIGINT NOT NULL,
-             request_id TEXT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT now())",
-    ] {
-        sqlx::query(stmt).execute(&pool).await.with_context(|| format!("baseline setup: {stmt}"))?;
-    }
-    sqlx::query("INSERT INTO bench_naive (key, available, consumed) VALUES ($1, $2, 0)")
-        .bind(KEY)
-        .bind(TOTAL)
-        .execute(&pool)
-        .await
-        .context("baseline seed row")?;
     let started = Instant::now();
     let deadline = started + duration;
     let handles: Vec<_> = (0..clients)

@@ -1,6 +1,8 @@
 //! The closed-loop HTTP scenarios: N tokio tasks share one client and send the next request as
-//! soon as the previous one is answered, until the deadline.
+//! soon as the previous one is answered, until the deadline or until a fixed number of orders
+//! has been sent.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -60,6 +62,43 @@ impl Workload {
 
 /// Opening total of each resource: large enough never to run out in a bench run.
 pub const TOTAL: i64 = 1_000_000_000_000;
+
+/// How long a scenario's load lasts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// Until this much time has passed.
+    Time(Duration),
+    /// Until exactly this many orders (loop iterations) have been sent, between all clients,
+    /// however long that takes: a fixed amount of work, to count what it costs.
+    Orders(u64),
+}
+
+/// When a running scenario's clients stop, shared by them.
+#[derive(Debug, Clone)]
+pub enum Stop {
+    /// At this instant.
+    At(Instant),
+    /// When these orders, left to send, are taken.
+    After(Arc<AtomicU64>),
+}
+
+impl Stop {
+    /// Starts counting `limit` now.
+    pub fn start(limit: Limit) -> Self {
+        match limit {
+            Limit::Time(d) => Self::At(Instant::now() + d),
+            Limit::Orders(n) => Self::After(Arc::new(AtomicU64::new(n))),
+        }
+    }
+
+    /// Whether a client may send its next order; takes it from the count.
+    pub fn next(&self) -> bool {
+        match self {
+            Self::At(deadline) => Instant::now() < *deadline,
+            Self::After(left) => left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok(),
+        }
+    }
+}
 
 /// The HTTP side shared by all tasks.
 pub struct Target {
@@ -187,14 +226,15 @@ pub(super) fn order_body(idem: &str, action: &str, keys: &[String]) -> Value {
     json!({"order_id": idem, "action": action, "lines": lines})
 }
 
-/// One client's closed loop until `deadline`.
-async fn client_loop(t: Arc<Target>, w: Workload, task: usize, deadline: Instant) -> Stats {
+/// One client's closed loop until `stop`. In reserve-confirm and deduct-reverse an order's
+/// confirm, release or reversal goes with it.
+async fn client_loop(t: Arc<Target>, w: Workload, task: usize, stop: Stop) -> Stats {
     let mut stats = Stats::default();
     let mut rng = StdRng::seed_from_u64(task as u64 ^ 0x5eed);
     let run = random_hex(3);
     let mut last: Option<(String, Value)> = None;
     let mut i: u64 = 0;
-    while Instant::now() < deadline {
+    while stop.next() {
         i += 1;
         let idem = format!("{}-{run}-{task}-{i}", w.name());
         let started = Instant::now();
@@ -322,11 +362,12 @@ async fn reverse(t: &Target, idem: &str, order_id: &str, key: &str, qty: i64) ->
     classify(resp).await
 }
 
-/// Runs the workload with `clients` tasks for `duration` and merges their stats.
-pub async fn run(t: &Arc<Target>, w: Workload, clients: usize, duration: Duration) -> anyhow::Result<Stats> {
+/// Runs the workload with `clients` tasks until `limit` and merges their stats.
+pub async fn run(t: &Arc<Target>, w: Workload, clients: usize, limit: Limit) -> anyhow::Result<Stats> {
     let started = Instant::now();
-    let deadline = started + duration;
-    let handles: Vec<_> = (0..clients).map(|task| tokio::spawn(client_loop(t.clone(), w, task, deadline))).collect();
+    let stop = Stop::start(limit);
+    let handles: Vec<_> =
+        (0..clients).map(|task| tokio::spawn(client_loop(t.clone(), w, task, stop.clone()))).collect();
     let mut total = Stats::default();
     for h in handles {
         total.merge(h.await.context("a bench client task failed")?);

@@ -5,7 +5,13 @@
 //! scenario with N concurrent clients for a fixed time, then checks the invariants over HTTP
 //! (no negative state, `available + reserved + consumed == total`, reconciliation without drift,
 //! acknowledged successes == consumed) and prints one table (and optionally a JSON file):
-//! throughput, p50/p95/p99/max latency, rejections by reason, the server's peak RSS.
+//! throughput, p50/p95/p99/max latency, rejections by reason, the server's peak RSS and CPU time
+//! per operation and, when it started the server, what each scenario wrote to disk per
+//! operation ([`storage`]).
+//!
+//! `--orders N` replaces the duration by a fixed amount of work, and `--exec-before-load` /
+//! `--exec-after-load` run a command around each load, so a profiler attached to the server
+//! (`scripts/bench/callgrind.sh`) counts exactly the load.
 //!
 //! Baselines measured in the same run on the same database: `ceiling` (`GET /healthz` under the
 //! same clients), `row-lock` and `guarded-per-request` (see [`baseline`]); each stockd scenario
@@ -19,6 +25,7 @@ pub mod load;
 pub mod noisy;
 pub mod redis_hot;
 pub mod server;
+pub mod storage;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,7 +36,7 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 use baseline::Naive;
-use load::{Target, Workload};
+use load::{Limit, Target, Workload};
 use server::Server;
 
 /// The storage backend of the server the bench starts.
@@ -66,6 +73,21 @@ pub struct BenchArgs {
     /// Seconds each scenario runs.
     #[arg(long, default_value_t = 10)]
     pub duration_secs: u64,
+    /// Instead of --duration-secs: each HTTP scenario stops after exactly this many orders,
+    /// between all clients (reserve-confirm and deduct-reverse: each with its follow-up call;
+    /// ceiling: health checks). The baselines and noisy-neighbour still run for the duration.
+    #[arg(long)]
+    pub orders: Option<u64>,
+    /// How long the load generator waits for one answer (raise it for a server under valgrind).
+    #[arg(long, default_value_t = 30)]
+    pub client_timeout_secs: u64,
+    /// A shell command (`sh -c`) run just before each HTTP scenario's load, after its setup, with
+    /// STOCKD_BENCH_SCENARIO set to the scenario's name; the bench stops if it fails.
+    #[arg(long)]
+    pub exec_before_load: Option<String>,
+    /// A shell command run just after each HTTP scenario's load, before its checks (as above).
+    #[arg(long)]
+    pub exec_after_load: Option<String>,
     /// Comma-separated scenarios: hot-key, uniform, multi-line, replay-storm, reserve-confirm,
     /// deduct-reverse (each order deducts 2 and reverses 1), ceiling, row-lock,
     /// guarded-per-request; and redis-hot-key (needs STOCKD_REDIS_URL) and
@@ -142,6 +164,10 @@ pub struct ScenarioResult {
     /// `None` when the bench cannot see the server's process (`--url` without `--server-pid`) or
     /// the scenario does not load the server (the baselines).
     pub server_cpu_us_per_op: Option<f64>,
+    /// What the scenario wrote to disk, per successful operation; `None`s with `--url` and for
+    /// `ceiling` and `noisy-neighbour`.
+    #[serde(flatten)]
+    pub storage: storage::Usage,
     pub ratio_to_ceiling: Option<f64>,
     pub ratio_to_row_lock: Option<f64>,
     pub ratio_to_guarded_per_request: Option<f64>,
@@ -188,6 +214,7 @@ fn summarize(
         violations,
         server_peak_rss_kib: rss,
         server_cpu_us_per_op: None,
+        storage: storage::Usage::default(),
         ratio_to_ceiling: None,
         ratio_to_row_lock: None,
         ratio_to_guarded_per_request: None,
@@ -227,16 +254,20 @@ fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let scenarios =
         args.scenarios.iter().map(|s| parse_scenario(s, &args.plugins_dir)).collect::<anyhow::Result<Vec<_>>>()?;
-    if args.clients == 0 || args.duration_secs == 0 {
-        bail!("--clients and --duration-secs must be positive");
+    if args.clients == 0 || args.duration_secs == 0 || args.orders == Some(0) || args.client_timeout_secs == 0 {
+        bail!("--clients, --duration-secs, --orders and --client-timeout-secs must be positive");
     }
     let mut server = match &args.url {
         Some(url) => Server::external(url, args.admin_token.clone())?.with_pid(args.server_pid),
         None => Server::start(args.backend, &args.database_url).await?,
     };
+    let per_scenario = match args.orders {
+        Some(n) => format!("{n} orders"),
+        None => format!("{} s", args.duration_secs),
+    };
     eprintln!(
-        "bench: server at {} ({:?}), {} clients, {} s per scenario",
-        server.base, args.backend, args.clients, args.duration_secs
+        "bench: server at {} ({:?}), {} clients, {per_scenario} per scenario",
+        server.base, args.backend, args.clients
     );
     let outcome = run_all(&args, &server, &scenarios).await;
     server.stop().await;
@@ -254,45 +285,73 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How long the load generator waits for an answer unless told otherwise.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The load generator's HTTP client, keeping a connection per closed-loop client.
-fn http_client(clients: usize) -> anyhow::Result<reqwest::Client> {
+fn http_client(clients: usize, timeout: Duration) -> anyhow::Result<reqwest::Client> {
     reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(clients)
-        .timeout(Duration::from_secs(30))
+        .timeout(timeout)
         .build()
         .context("building the HTTP client")
 }
 
 async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> anyhow::Result<Vec<ScenarioResult>> {
-    let client = http_client(args.clients)?;
+    let client = http_client(args.clients, Duration::from_secs(args.client_timeout_secs))?;
     let api_key = load::create_tenant(&client, &server.base, &server.admin_token).await?;
     let target = Arc::new(Target { client, base: server.base.clone(), api_key });
     let duration = Duration::from_secs(args.duration_secs);
+    let limit = args.orders.map_or(Limit::Time(duration), Limit::Orders);
     let mut results = Vec::new();
     for scenario in scenarios {
         match scenario {
             Scenario::Http(w) => {
                 eprintln!("bench: {} ...", w.name());
                 load::create_resources(&target, *w).await.with_context(|| format!("setting up {}", w.name()))?;
+                let probe = match server.db.as_ref().filter(|_| *w != Workload::Ceiling) {
+                    Some(db) => storage::Probe::start(db).await,
+                    None => None,
+                };
+                exec_hook(args.exec_before_load.as_deref(), w.name()).await?;
                 let cpu = server.cpu_us();
-                let stats = load::run(&target, *w, args.clients, duration).await?;
+                let stats = load::run(&target, *w, args.clients, limit).await?;
                 let cpu = cpu_per_op(cpu, server.cpu_us(), stats.ok);
+                exec_hook(args.exec_after_load.as_deref(), w.name()).await?;
+                let usage = match probe {
+                    Some(p) => p.finish(stats.ok).await,
+                    None => storage::Usage::default(),
+                };
                 let violations =
                     load::check(&target, *w, &stats).await.with_context(|| format!("checking {}", w.name()))?;
                 let mut row = summarize(w.name(), args, stats, violations, server.peak_rss_kib());
                 row.server_cpu_us_per_op = cpu;
+                row.storage = usage;
                 results.push(row);
             }
             Scenario::RedisHotKey => {
                 eprintln!("bench: {} ...", redis_hot::NAME);
                 redis_hot::create_resource(&target).await?;
+                let probe = match &server.db {
+                    Some(db) => storage::Probe::start(db).await,
+                    None => None,
+                };
+                exec_hook(args.exec_before_load.as_deref(), redis_hot::NAME).await?;
                 let cpu = server.cpu_us();
-                let stats = redis_hot::run(&target, args.clients, duration).await?;
+                let stats = redis_hot::run(&target, args.clients, limit).await?;
                 let cpu = cpu_per_op(cpu, server.cpu_us(), stats.ok);
+                exec_hook(args.exec_after_load.as_deref(), redis_hot::NAME).await?;
+                // Sized (and the WAL sampled) until after the check, which waits until every sale
+                // is settled into the database.
                 let violations = redis_hot::check(&target, &stats).await?;
+                let usage = match probe {
+                    Some(p) => p.finish(stats.ok).await,
+                    None => storage::Usage::default(),
+                };
                 let mut row = summarize(redis_hot::NAME, args, stats, violations, server.peak_rss_kib());
                 row.server_cpu_us_per_op = cpu;
+                row.storage = usage;
                 results.push(row);
             }
             Scenario::NoisyNeighbour(fuel_burner) => {
@@ -309,12 +368,37 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                     continue;
                 };
                 eprintln!("bench: {} ...", n.name());
+                baseline::setup(db).await.with_context(|| format!("setting up {}", n.name()))?;
+                let probe = storage::Probe::start(db).await;
                 let (stats, violations) = baseline::run(db, *n, args.clients, duration).await?;
-                results.push(summarize(n.name(), args, stats, violations, None));
+                let usage = match probe {
+                    Some(p) => p.finish(stats.ok).await,
+                    None => storage::Usage::default(),
+                };
+                let mut row = summarize(n.name(), args, stats, violations, None);
+                row.storage = usage;
+                results.push(row);
             }
         }
     }
     Ok(results)
+}
+
+/// Runs `command` with `sh -c` (when given), STOCKD_BENCH_SCENARIO set to `scenario`.
+async fn exec_hook(command: Option<&str>, scenario: &str) -> anyhow::Result<()> {
+    let Some(command) = command else { return Ok(()) };
+    let status = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .env("STOCKD_BENCH_SCENARIO", scenario)
+        .stdin(std::process::Stdio::null())
+        .status()
+        .await
+        .with_context(|| format!("running {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed ({status}) around {scenario}");
+    }
+    Ok(())
 }
 
 /// CPU µs per successful operation between two readings of the server's CPU time.
@@ -372,9 +456,24 @@ fn print_table(results: &[ScenarioResult]) {
     }
 }
 
+/// The storage columns: bytes per order and, on SQLite, the WAL file's peak in MiB, or on
+/// PostgreSQL the WAL written per order in bytes.
+fn storage_cells(r: &ScenarioResult) -> (String, String) {
+    let per_order = r.storage.bytes_per_order.map_or_else(|| "-".into(), |b| format!("{b:.0}"));
+    let wal = match r.backend {
+        Backend::Sqlite => r.storage.wal_peak_bytes.map(|b| format!("{:.1}", b as f64 / (1024.0 * 1024.0))),
+        Backend::Postgres => r.storage.wal_bytes_per_order.map(|b| format!("{b:.0}")),
+    };
+    (per_order, wal.unwrap_or_else(|| "-".into()))
+}
+
 fn print_main_table(results: &[&ScenarioResult]) {
+    let wal_header = match results.first().map(|r| r.backend) {
+        Some(Backend::Postgres) => "walB/ord",
+        _ => "wal MiB",
+    };
     println!(
-        "{:<20} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  rejections",
+        "{:<20} {:>8} {:>7} {:>7} {:>7} {:>8} {:>7} {:>9} {:>7} {:>8} {:>6} {:>8} {:>8} {:>4} {:>8}  rejections",
         "scenario",
         "ok/s",
         "p50 ms",
@@ -383,6 +482,8 @@ fn print_main_table(results: &[&ScenarioResult]) {
         "max ms",
         "rss MiB",
         "cpu us/op",
+        "B/order",
+        wal_header,
         "xceil",
         "xrowlock",
         "xguarded",
@@ -390,8 +491,9 @@ fn print_main_table(results: &[&ScenarioResult]) {
         "replayed"
     );
     for r in results {
+        let (per_order, wal) = storage_cells(r);
         println!(
-            "{:<20} {:>10.0} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>8}  {}",
+            "{:<20} {:>8.0} {:>7} {:>7} {:>7} {:>8} {:>7} {:>9} {:>7} {:>8} {:>6} {:>8} {:>8} {:>4} {:>8}  {}",
             r.scenario,
             r.ok_per_sec,
             ms(r.p50_us),
@@ -400,6 +502,8 @@ fn print_main_table(results: &[&ScenarioResult]) {
             ms(r.max_us),
             r.server_peak_rss_kib.map_or_else(|| "-".into(), |k| format!("{:.1}", k as f64 / 1024.0)),
             r.server_cpu_us_per_op.map_or_else(|| "-".into(), |us| format!("{us:.1}")),
+            per_order,
+            wal,
             ratio(r.ratio_to_ceiling),
             ratio(r.ratio_to_row_lock),
             ratio(r.ratio_to_guarded_per_request),

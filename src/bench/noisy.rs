@@ -166,7 +166,7 @@ impl Tenant {
     /// Creates a tenant with its own HTTP client (so the two tenants never share connections)
     /// and its hot key of [`load::TOTAL`] units, far more than a run can sell.
     async fn create(server: &Server, name: &str, clients: usize) -> anyhow::Result<Self> {
-        let client = super::http_client(clients)?;
+        let client = super::http_client(clients, super::CLIENT_TIMEOUT)?;
         let api_key = load::create_tenant(&client, &server.base, &server.admin_token).await?;
         let target = Arc::new(Target { client, base: server.base.clone(), api_key });
         let key = format!("{NAME}:{name}");

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
-use super::load::{self, Target, TOTAL};
+use super::load::{self, Limit, Stop, Target, TOTAL};
 use super::Stats;
 
 /// The scenario's name and its resource key.
@@ -40,18 +40,18 @@ pub async fn create_resource(t: &Target) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `clients` closed loops of one-piece deductions of the redis-mode key until the deadline.
-pub async fn run(t: &Arc<Target>, clients: usize, duration: Duration) -> anyhow::Result<Stats> {
+/// `clients` closed loops of one-piece deductions of the redis-mode key until `limit`.
+pub async fn run(t: &Arc<Target>, clients: usize, limit: Limit) -> anyhow::Result<Stats> {
     let started = Instant::now();
-    let deadline = started + duration;
+    let stop = Stop::start(limit);
     let run = super::server::random_hex(3);
     let handles: Vec<_> = (0..clients)
         .map(|task| {
-            let (t, run) = (t.clone(), run.clone());
+            let (t, run, stop) = (t.clone(), run.clone(), stop.clone());
             tokio::spawn(async move {
                 let mut stats = Stats::default();
                 let mut i: u64 = 0;
-                while Instant::now() < deadline {
+                while stop.next() {
                     i += 1;
                     let idem = format!("{NAME}-{run}-{task}-{i}");
                     let sent = Instant::now();
