@@ -23,7 +23,7 @@ use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
     ResourceStatus, TenantId, MAX_TOTAL,
 };
-use crate::events::{new_event_id, NewEvent, Stock, StockBand};
+use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
@@ -771,13 +771,12 @@ impl Port for PgPort<'_> {
             items.iter().map(f).collect()
         }
         let (c, l, r, o, ev, m) = (&w.rows, &w.ledger, &w.reservations, &w.outcomes, &w.events, &w.moves);
-        let ids: Vec<String> = ev.iter().map(|_| new_event_id()).collect();
         let counts = sqlx::query(
             "WITH written AS (
                 UPDATE resources r SET available = u.available, reserved = u.reserved, consumed = u.consumed,
                        version = u.version, updated_at = u.at, stock = u.stock
                 FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[],
-                            $8::bigint[], $40::text[])
+                            $8::bigint[], $34::text[])
                      AS u (tenant_id, key, available, reserved, consumed, version, was, at, stock)
                 WHERE r.tenant_id = u.tenant_id AND r.key = u.key AND r.version = u.was
                 RETURNING 1),
@@ -788,7 +787,7 @@ impl Port for PgPort<'_> {
                 SELECT t, k, 0, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk, lm
                 FROM UNNEST($9::text[], $10::text[], $11::text[], $12::bigint[], $13::text[], $14::text[], $15::text[],
                             $16::bigint[], $17::bigint[], $18::bigint[], $19::bigint[], $20::bigint[], $21::bigint[],
-                            $39::text[], $41::text[])
+                            $33::text[], $35::text[])
                      WITH ORDINALITY AS u (t, k, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk, lm, n)
                 ORDER BY n
                 RETURNING 1),
@@ -800,7 +799,7 @@ impl Port for PgPort<'_> {
                 RETURNING 1),
              moved AS (
                 UPDATE reservations r SET state = u.state, updated_at = u.at
-                FROM UNNEST($42::text[], $43::text[], $44::text[], $45::bigint[]) AS u (tenant_id, id, state, at)
+                FROM UNNEST($36::text[], $37::text[], $38::text[], $39::bigint[]) AS u (tenant_id, id, state, at)
                 WHERE r.tenant_id = u.tenant_id AND r.id = u.id AND r.state = 'held'
                 RETURNING 1),
              answered AS (
@@ -808,15 +807,10 @@ impl Port for PgPort<'_> {
                 FROM UNNEST($28::text[], $29::text[], $30::int[], $31::text[], $32::text[])
                      AS u (tenant_id, key, code, kind, body)
                 WHERE i.tenant_id = u.tenant_id AND i.key = u.key
-                RETURNING 1),
-             evented AS (
-                INSERT INTO events (id, tenant_id, type, ordering_key, at, data)
-                SELECT * FROM UNNEST($33::text[], $34::text[], $35::text[], $36::text[], $37::bigint[], $38::text[])
                 RETURNING 1)
              SELECT (SELECT COUNT(*) FROM written) AS written, (SELECT COUNT(*) FROM ledgered) AS ledgered,
                     (SELECT COUNT(*) FROM held) AS held, (SELECT COUNT(*) FROM moved) AS moved,
-                    (SELECT COUNT(*) FROM answered) AS answered,
-                    (SELECT COUNT(*) FROM evented) AS evented",
+                    (SELECT COUNT(*) FROM answered) AS answered",
         )
         .bind(col(c, |x| x.tenant.clone()))
         .bind(col(c, |x| x.key.clone()))
@@ -850,12 +844,6 @@ impl Port for PgPort<'_> {
         .bind(col(o, |x| i32::from(x.response.status)))
         .bind(col(o, |x| x.response.content_type.as_str()))
         .bind(col(o, |x| x.response.body.clone()))
-        .bind(&ids)
-        .bind(col(ev, |x| x.tenant.clone()))
-        .bind(col(ev, |x| x.kind.as_str()))
-        .bind(col(ev, |x| x.ordering_key.clone()))
-        .bind(col(ev, |x| x.at))
-        .bind(col(ev, |x| x.data.clone()))
         .bind(col(l, |x| x.line_key.clone()))
         .bind(col(c, |x| x.stock.as_str()))
         .bind(col(l, |x| x.limit_key.clone()))
@@ -866,14 +854,9 @@ impl Port for PgPort<'_> {
         .fetch_one(&mut *self.conn)
         .await?;
         let count = |name: &str| -> Result<u64, StorageError> { Ok(counts.try_get::<i64, _>(name)?.max(0) as u64) };
-        for (name, want) in [
-            ("written", c.len()),
-            ("ledgered", l.len()),
-            ("held", r.len()),
-            ("moved", m.len()),
-            ("answered", o.len()),
-            ("evented", ev.len()),
-        ] {
+        for (name, want) in
+            [("written", c.len()), ("ledgered", l.len()), ("held", r.len()), ("moved", m.len()), ("answered", o.len())]
+        {
             if count(name)? != want as u64 {
                 // The rows are locked and the keys claimed by this transaction: nothing else can
                 // have moved them. A mismatch is a bug; the batch is decided again order by order.
@@ -883,23 +866,13 @@ impl Port for PgPort<'_> {
                 )));
             }
         }
-        super::events::written(ids.into_iter().zip(ev.iter().map(|e| e.tenant.clone())))
+        super::events::hold(ev)
     }
 
-    /// Inserted unnumbered: the batcher numbers the transaction's events just before its COMMIT
-    /// ([`super::events::seal`]), so a tenant's events commit in sequence order.
+    /// Held by the batch attempt until just before its COMMIT, when the batcher inserts them
+    /// numbered ([`super::events::seal`]), so a tenant's events commit in sequence order.
     async fn emit(&mut self, e: &NewEvent) -> Result<(), StorageError> {
-        let id = new_event_id();
-        sqlx::query("INSERT INTO events (id, tenant_id, type, ordering_key, at, data) VALUES ($1, $2, $3, $4, $5, $6)")
-            .bind(&id)
-            .bind(&e.tenant)
-            .bind(e.kind.as_str())
-            .bind(&e.ordering_key)
-            .bind(e.at)
-            .bind(&e.data)
-            .execute(&mut *self.conn)
-            .await?;
-        super::events::written([(id, e.tenant.clone())])
+        super::events::hold(std::slice::from_ref(e))
     }
 
     async fn stock(&mut self, tenant: &str, key: &str) -> Result<Option<Stock>, StorageError> {
