@@ -706,66 +706,36 @@ impl Port for PgPort<'_> {
         Ok(stored.rows_affected() == 1)
     }
 
-    /// Inserts every key's row in one statement; those that conflict were used before (committed:
-    /// the insert waited for any transaction holding them) and are answered from their stored
-    /// outcomes, read in one more. A key whose row is gone by then (purged) is left unsure.
+    /// Reads the stored outcomes of the batch's keys in one statement: a key found was used
+    /// before; any other is taken as ours, and its record is inserted with the batch's writes
+    /// ([`Port::write_batch`]), in the same statement as everything it decided. A key another
+    /// transaction uses first meanwhile makes that insert wait for it and then find the key
+    /// taken: the batch is then run again, and finds the key answered.
+    ///
+    /// Why not claim with an empty row first, as [`Port::claim_key`] does: the row's response
+    /// is then written by an UPDATE, which stores every record twice (the old version waits for
+    /// vacuum) with a second entry in each index.
     async fn claim_keys(
         &mut self,
         keys: &[(&TenantId, &IdempotencyRequest)],
-        now_ms: i64,
+        _now_ms: i64,
     ) -> Result<Vec<Claim>, StorageError> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
         let tenants: Vec<String> = keys.iter().map(|(t, _)| t.to_string()).collect();
         let names: Vec<String> = keys.iter().map(|(_, i)| i.key.to_string()).collect();
-        let hashes: Vec<String> = keys.iter().map(|(_, i)| i.request_hash.clone()).collect();
-        let created = vec![now_ms; keys.len()];
-        let rows = sqlx::query(
-            "INSERT INTO idempotency (tenant_id, key, request_hash, created_at)
-             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[])
-             ON CONFLICT (tenant_id, key) DO NOTHING
-             RETURNING tenant_id, key",
-        )
-        .bind(&tenants)
-        .bind(&names)
-        .bind(&hashes)
-        .bind(&created)
-        .fetch_all(&mut *self.conn)
-        .await?;
-        let ours: std::collections::HashSet<(String, String)> = rows
-            .iter()
-            .map(|r| Ok((r.try_get("tenant_id")?, r.try_get("key")?)))
-            .collect::<Result<_, StorageError>>()?;
-        let (used_tenants, used_keys): (Vec<String>, Vec<String>) = tenants
-            .iter()
-            .zip(&names)
-            .filter(|(t, k)| !ours.contains(&((*t).clone(), (*k).clone())))
-            .map(|(t, k)| (t.clone(), k.clone()))
-            .unzip();
-        let mut stored = if used_tenants.is_empty() {
-            Default::default()
-        } else {
-            self.stored_outcomes(&used_tenants, &used_keys).await?
-        };
+        let mut stored = self.stored_outcomes(&tenants, &names).await?;
         Ok(keys
             .iter()
             .zip(tenants.into_iter().zip(names))
-            .map(|((_, idem), id)| {
-                if ours.contains(&id) {
-                    return Claim::Ours;
-                }
-                match stored.remove(&id) {
-                    Some((hash, response)) => Claim::Answered(idem.judge(&hash, response)),
-                    None => Claim::Unsure,
-                }
+            .map(|((_, idem), id)| match stored.remove(&id) {
+                Some((hash, response)) => Claim::Answered(idem.judge(&hash, response)),
+                None => Claim::Ours,
             })
             .collect())
     }
 
-    /// Every write in one statement (one round trip): the changed rows (guarded by the version
-    /// read), the ledger rows in order, the reservations, the stored responses. Data-modifying
-    /// CTEs all run to completion; the counts prove the guards held.
     async fn write_batch(&mut self, w: &BatchWrites) -> Result<(), StorageError> {
         fn col<T, U>(items: &[T], f: impl Fn(&T) -> U) -> Vec<U> {
             items.iter().map(f).collect()
@@ -803,10 +773,11 @@ impl Port for PgPort<'_> {
                 WHERE r.tenant_id = u.tenant_id AND r.id = u.id AND r.state = 'held'
                 RETURNING 1),
              answered AS (
-                UPDATE idempotency i SET response_code = u.code, response_type = u.kind, response_body = u.body
-                FROM UNNEST($28::text[], $29::text[], $30::int[], $31::text[], $32::text[])
-                     AS u (tenant_id, key, code, kind, body)
-                WHERE i.tenant_id = u.tenant_id AND i.key = u.key
+                INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
+                                         created_at)
+                SELECT * FROM UNNEST($28::text[], $29::text[], $40::text[], $30::int[], $31::text[], $32::text[],
+                                     $41::bigint[])
+                ON CONFLICT (tenant_id, key) DO NOTHING
                 RETURNING 1)
              SELECT (SELECT COUNT(*) FROM written) AS written, (SELECT COUNT(*) FROM ledgered) AS ledgered,
                     (SELECT COUNT(*) FROM held) AS held, (SELECT COUNT(*) FROM moved) AS moved,
@@ -851,12 +822,20 @@ impl Port for PgPort<'_> {
         .bind(col(m, |x| x.id.clone()))
         .bind(col(m, |x| x.to.as_str()))
         .bind(col(m, |x| x.at))
+        .bind(col(o, |x| x.request_hash.clone()))
+        .bind(col(o, |x| x.at))
         .fetch_one(&mut *self.conn)
         .await?;
         let count = |name: &str| -> Result<u64, StorageError> { Ok(counts.try_get::<i64, _>(name)?.max(0) as u64) };
-        for (name, want) in
-            [("written", c.len()), ("ledgered", l.len()), ("held", r.len()), ("moved", m.len()), ("answered", o.len())]
-        {
+        if count("answered")? != o.len() as u64 {
+            // Another transaction used one of the keys first, after `claim_keys` read them: its
+            // commit made our insert skip the key. Nothing of this batch may stand; run again,
+            // it finds the key answered.
+            return Err(StorageError::Unavailable(
+                "an idempotency key of the batch was used by another transaction meanwhile".into(),
+            ));
+        }
+        for (name, want) in [("written", c.len()), ("ledgered", l.len()), ("held", r.len()), ("moved", m.len())] {
             if count(name)? != want as u64 {
                 // The rows are locked and the keys claimed by this transaction: nothing else can
                 // have moved them. A mismatch is a bug; the batch is decided again order by order.
