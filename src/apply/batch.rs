@@ -277,14 +277,15 @@ pub async fn admit<P: Port>(
     }
     // The rows the kept changes touched, each written once as admission left it.
     for ((tenant, key), at) in changed_at {
-        let (Some(row), Some(&(read_version, _))) =
+        let (Some(row), Some(&(read_version, read_band))) =
             (rows.get(&tenant).and_then(|r| r.get(&key)), read_at.get(&(tenant.clone(), key.clone())))
         else {
             return Err(StorageError::Internal(format!("batch admission changed {key}, a row it did not read")));
         };
         let after =
             Counts { available: row.available, reserved: row.reserved, consumed: row.consumed, version: row.version };
-        writes.rows.push(RowWrite { tenant, key, after, read_version, stock: row.stock, at });
+        let stock = (row.stock != read_band).then_some(row.stock);
+        writes.rows.push(RowWrite { tenant, key, after, read_version, stock, at });
     }
     // One global order for the row writes, so two batches never wait on each other in a cycle.
     writes.rows.sort_by(|a, b| (&a.tenant, &a.key).cmp(&(&b.tenant, &b.key)));

@@ -172,8 +172,9 @@ pub struct RowWrite {
     pub key: String,
     pub after: Counts,
     pub read_version: i64,
-    /// Its stock band after the batch (its stock events are among the batch's events).
-    pub stock: StockBand,
+    /// Its stock band after the batch when that differs from the band it was read with (its
+    /// stock events are among the batch's events); `None`: the band stays as stored.
+    pub stock: Option<StockBand>,
     /// `updated_at`: the time of the write that last changed it.
     pub at: i64,
 }

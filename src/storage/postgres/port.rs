@@ -744,7 +744,7 @@ impl Port for PgPort<'_> {
         let counts = sqlx::query(
             "WITH written AS (
                 UPDATE resources r SET available = u.available, reserved = u.reserved, consumed = u.consumed,
-                       version = u.version, updated_at = u.at, stock = u.stock
+                       version = u.version, updated_at = u.at, stock = COALESCE(u.stock, r.stock)
                 FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[],
                             $8::bigint[], $34::text[])
                      AS u (tenant_id, key, available, reserved, consumed, version, was, at, stock)
@@ -816,7 +816,7 @@ impl Port for PgPort<'_> {
         .bind(col(o, |x| x.response.content_type.as_str()))
         .bind(col(o, |x| x.response.body.clone()))
         .bind(col(l, |x| x.line_key.clone()))
-        .bind(col(c, |x| x.stock.as_str()))
+        .bind(col(c, |x| x.stock.map(|s| s.as_str())))
         .bind(col(l, |x| x.limit_key.clone()))
         .bind(col(m, |x| x.tenant.clone()))
         .bind(col(m, |x| x.id.clone()))
