@@ -11,11 +11,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::events;
 use super::orders::{held_reservation, new_reservation, order_response};
 use super::port::{BatchWrites, Claim, Counts, HeldMove, LedgerRow, LockedRows, Outcome, Port, RowWrite};
+use super::{events, reservations};
 use crate::engine::admission::{self, Row as AdmissionRow};
-use crate::engine::{LedgerOp, OrderStatus, Reservation, ReservationState, TenantId};
+use crate::engine::{OrderStatus, Reservation, ReservationState, TenantId};
 use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::rules::{new_request_id, reservation_lines};
 use crate::storage::{Idempotent, OrderExecution, OrderJob, StorageError, Transition};
@@ -213,34 +213,12 @@ pub async fn admit<P: Port>(
             out.moves[m] = Some(Transition::NotFound);
             continue;
         };
-        let confirming = match job.to {
-            ReservationState::Confirmed => true,
-            ReservationState::Released => false,
-            other => return Err(StorageError::Internal(format!("a reservation cannot be moved to {other:?}"))),
+        reservations::requested(job.to)?;
+        let Some(to) = reservations::move_to(&reservation, job.to, now_ms) else {
+            out.moves[m] = Some(reservations::unmoved(reservation, job.to));
+            continue;
         };
-        // The rules of `reservations::transition`: past its deadline but not yet swept, a held
-        // reservation being confirmed is expired instead.
-        let to = match reservation.state {
-            ReservationState::Held if confirming && reservation.expires_at.0 <= now_ms => ReservationState::Expired,
-            ReservationState::Held => job.to,
-            ReservationState::Confirmed if confirming => {
-                out.moves[m] = Some(Transition::Done(reservation));
-                continue;
-            }
-            ReservationState::Released | ReservationState::Expired if !confirming => {
-                out.moves[m] = Some(Transition::Done(reservation));
-                continue;
-            }
-            state => {
-                out.moves[m] = Some(Transition::Refused(state, reservation));
-                continue;
-            }
-        };
-        let op = match to {
-            ReservationState::Confirmed => LedgerOp::Confirm,
-            ReservationState::Expired => LedgerOp::Expire,
-            _ => LedgerOp::Release,
-        };
+        let (op, _) = reservations::move_op(to)?;
         let Some(tenant_rows) = rows.get_mut(tenant) else { continue };
         let Some(changes) = admission::move_held(tenant_rows, &reservation.lines, op) else { continue };
         for change in &changes {
@@ -268,12 +246,7 @@ pub async fn admit<P: Port>(
         writes.events.push(events::reservation_event(tenant, &reservation, now_ms));
         let changed = changes.iter().map(|c| c.resource.clone());
         crossings(tenant, &mut rows, changed, now_ms, &mut writes.events);
-        out.moves[m] = Some(if to == ReservationState::Expired {
-            metrics::counter!("stockd_reservations_expired_total").increment(1);
-            Transition::Refused(ReservationState::Expired, reservation)
-        } else {
-            Transition::Done(reservation)
-        });
+        out.moves[m] = Some(reservations::moved(reservation));
     }
     // The rows the kept changes touched, each written once as admission left it.
     for ((tenant, key), at) in changed_at {

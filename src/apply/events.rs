@@ -72,17 +72,6 @@ pub fn held_event(row: &NewReservation, lines: Vec<ReservationLine>, now_ms: i64
 /// `resource.restocked`) and stores the new band. A change within a band emits nothing.
 pub async fn observe_stock<P: Port>(port: &mut P, tenant: &str, key: &str, now_ms: i64) -> Result<(), StorageError> {
     let Some(stock) = port.stock(tenant, key).await? else { return Ok(()) };
-    stock_moved(port, tenant, key, stock, now_ms).await
-}
-
-/// [`observe_stock`] of a resource whose stock the caller knows (`stock.band`: as stored).
-pub async fn stock_moved<P: Port>(
-    port: &mut P,
-    tenant: &str,
-    key: &str,
-    stock: Stock,
-    now_ms: i64,
-) -> Result<(), StorageError> {
     let Some((band, emitted)) = stock_events(tenant, key, stock, now_ms) else { return Ok(()) };
     for event in &emitted {
         port.emit(event).await?;

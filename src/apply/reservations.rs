@@ -12,6 +12,60 @@ use crate::storage::{StorageError, Transition};
 /// and then sees a final state, which needs no move.
 const TRANSITION_READS: usize = 2;
 
+/// The ledger op and counter move of leaving `held` for `to`.
+pub(super) fn move_op(to: ReservationState) -> Result<(LedgerOp, Move), StorageError> {
+    match to {
+        ReservationState::Confirmed => Ok((LedgerOp::Confirm, Move::Confirm)),
+        ReservationState::Released => Ok((LedgerOp::Release, Move::Unreserve)),
+        ReservationState::Expired => Ok((LedgerOp::Expire, Move::Unreserve)),
+        ReservationState::Held => Err(StorageError::Internal("a reservation cannot move back to held".into())),
+    }
+}
+
+/// Where a confirm (`to`: confirmed) or release (`to`: released) takes the reservation now:
+/// the state to move it to, or `None` when it stays as it is (answer [`unmoved`]). Past its
+/// deadline but not yet swept, a held reservation being confirmed is expired instead: that
+/// keeps a late confirm from winning a race with the sweeper.
+pub(super) fn move_to(reservation: &Reservation, to: ReservationState, now_ms: i64) -> Option<ReservationState> {
+    match reservation.state {
+        ReservationState::Held if to == ReservationState::Confirmed && reservation.expires_at.0 <= now_ms => {
+            Some(ReservationState::Expired)
+        }
+        ReservationState::Held => Some(to),
+        _ => None,
+    }
+}
+
+/// The answer to a confirm or release toward `to` that found the reservation already out of
+/// `held`: done if it is where the request leads (a release finds an expired one done too).
+pub(super) fn unmoved(reservation: Reservation, to: ReservationState) -> Transition {
+    match (reservation.state, to) {
+        (ReservationState::Confirmed, ReservationState::Confirmed)
+        | (ReservationState::Released | ReservationState::Expired, ReservationState::Released) => {
+            Transition::Done(reservation)
+        }
+        (state, _) => Transition::Refused(state, reservation),
+    }
+}
+
+/// The answer to a move made: a confirm that expired the reservation is refused as expired.
+pub(super) fn moved(reservation: Reservation) -> Transition {
+    if reservation.state == ReservationState::Expired {
+        metrics::counter!("stockd_reservations_expired_total").increment(1);
+        Transition::Refused(ReservationState::Expired, reservation)
+    } else {
+        Transition::Done(reservation)
+    }
+}
+
+/// Whether `to` is what a confirm or release asks for.
+pub(super) fn requested(to: ReservationState) -> Result<(), StorageError> {
+    match to {
+        ReservationState::Confirmed | ReservationState::Released => Ok(()),
+        other => Err(StorageError::Internal(format!("a reservation cannot be moved to {other:?}"))),
+    }
+}
+
 /// Moves a held reservation to `to`; `None` when it was no longer held: another process moved it
 /// after our read, and its move stands.
 async fn finish<P: Port>(
@@ -21,12 +75,7 @@ async fn finish<P: Port>(
     to: ReservationState,
     now_ms: i64,
 ) -> Result<Option<Reservation>, StorageError> {
-    let (op, how) = match to {
-        ReservationState::Confirmed => (LedgerOp::Confirm, Move::Confirm),
-        ReservationState::Released => (LedgerOp::Release, Move::Unreserve),
-        ReservationState::Expired => (LedgerOp::Expire, Move::Unreserve),
-        ReservationState::Held => return Err(StorageError::Internal("a reservation cannot move back to held".into())),
-    };
+    let (op, how) = move_op(to)?;
     if !port.leave_held(tenant, &reservation.id, to, now_ms).await? {
         return Ok(None);
     }
@@ -108,12 +157,8 @@ pub async fn execute<P: Port>(
     job: &super::batch::MoveJob,
     now_ms: i64,
 ) -> Result<Transition, StorageError> {
-    match job.to {
-        ReservationState::Confirmed | ReservationState::Released => {
-            transition(port, &job.tenant, &job.id, job.to, now_ms).await
-        }
-        other => Err(StorageError::Internal(format!("a reservation cannot be moved to {other:?}"))),
-    }
+    requested(job.to)?;
+    transition(port, &job.tenant, &job.id, job.to, now_ms).await
 }
 
 /// Moves a reservation toward `to` (confirmed or released), judged by its state now.
@@ -124,30 +169,13 @@ async fn transition<P: Port>(
     to: ReservationState,
     now_ms: i64,
 ) -> Result<Transition, StorageError> {
-    let confirming = to == ReservationState::Confirmed;
     for _ in 0..TRANSITION_READS {
         let Some(reservation) = port.reservation(tenant.as_str(), id).await? else {
             return Ok(Transition::NotFound);
         };
-        let state = reservation.state;
-        // Past its deadline but not yet swept, a held reservation is expired. Expiring it here
-        // keeps a late confirm from winning a race with the sweeper.
-        let to = match state {
-            ReservationState::Held if confirming && reservation.expires_at.0 <= now_ms => ReservationState::Expired,
-            ReservationState::Held => to,
-            ReservationState::Confirmed if confirming => return Ok(Transition::Done(reservation)),
-            ReservationState::Released | ReservationState::Expired if !confirming => {
-                return Ok(Transition::Done(reservation))
-            }
-            _ => return Ok(Transition::Refused(state, reservation)),
-        };
-        let Some(moved) = finish(port, tenant.as_str(), reservation, to, now_ms).await? else { continue };
-        return Ok(if to == ReservationState::Expired {
-            metrics::counter!("stockd_reservations_expired_total").increment(1);
-            Transition::Refused(ReservationState::Expired, moved)
-        } else {
-            Transition::Done(moved)
-        });
+        let Some(next) = move_to(&reservation, to, now_ms) else { return Ok(unmoved(reservation, to)) };
+        let Some(reservation) = finish(port, tenant.as_str(), reservation, next, now_ms).await? else { continue };
+        return Ok(moved(reservation));
     }
     Err(StorageError::Internal(format!("reservation {id} left held twice")))
 }

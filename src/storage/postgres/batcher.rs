@@ -444,14 +444,17 @@ async fn lock_and_admit(
     } else {
         Vec::new()
     };
-    let mut rows = declared.to_vec();
     let more: Vec<(String, String)> =
         apply::batch::move_resources(&moving, &found).map(|(t, k)| (t.to_string(), k.to_string())).collect();
-    if !more.is_empty() {
-        rows.extend(more);
-        rows.sort_unstable();
-        rows.dedup();
-    }
+    let rows = if more.is_empty() {
+        std::borrow::Cow::Borrowed(declared)
+    } else {
+        let mut all = declared.to_vec();
+        all.extend(more);
+        all.sort_unstable();
+        all.dedup();
+        std::borrow::Cow::Owned(all)
+    };
     let locked = lock_declared_rows(tx, &rows).await.map_err(BatchFailure::of)?;
     if !decide {
         return Ok(());
