@@ -3,6 +3,7 @@
 //! the same transaction, legal reservation moves) are the same everywhere and are proven by one
 //! integration suite run against every backend.
 
+pub mod mysql;
 pub mod postgres;
 pub mod redis_store;
 pub mod rows;

@@ -334,3 +334,22 @@ pub(crate) const TAKE_REVERSAL_SQL: &str = "INSERT INTO order_reversals AS o
     SET taken = CASE WHEN o.taken >= excluded.taken THEN o.taken ELSE excluded.taken END,
         reversed = o.reversed + excluded.reversed, updated_at = excluded.updated_at
     WHERE o.reversed + excluded.reversed <= CASE WHEN o.taken >= excluded.taken THEN o.taken ELSE excluded.taken END";
+
+impl Columns for sqlx::mysql::MySqlRow {
+    fn int(&self, col: &str) -> Result<i64, StorageError> {
+        Ok(sqlx::Row::try_get(self, col)?)
+    }
+    fn opt_int(&self, col: &str) -> Result<Option<i64>, StorageError> {
+        Ok(sqlx::Row::try_get(self, col)?)
+    }
+    fn text(&self, col: &str) -> Result<String, StorageError> {
+        Ok(sqlx::Row::try_get(self, col)?)
+    }
+    fn opt_text(&self, col: &str) -> Result<Option<String>, StorageError> {
+        Ok(sqlx::Row::try_get(self, col)?)
+    }
+    /// MySQL has no boolean type: a flag is an integer (a comparison's 0 or 1).
+    fn flag(&self, col: &str) -> Result<bool, StorageError> {
+        Ok(sqlx::Row::try_get::<i64, _>(self, col)? != 0)
+    }
+}

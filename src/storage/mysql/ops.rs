@@ -1,0 +1,239 @@
+//! The MySQL writes that are not business orchestration (tenants, keys, plugins, purges),
+//! each run on the batcher's connection inside its own savepoint of a group-commit transaction
+//! (see [`super`]); a write may be run again from the start if its batch is retried, so none
+//! keeps anything between runs. Orders, reservations, adjustments and resources go through
+//! [`crate::apply`] over [`super::port::MyPort`].
+
+use sqlx::MySqlConnection;
+
+use crate::engine::TenantId;
+use crate::ratelimit::RateLimit;
+use crate::storage::rules;
+use crate::storage::{Insert, NewApiKey, PluginUpload, PluginVersion, StorageError};
+
+pub async fn create_tenant(
+    conn: &mut MySqlConnection,
+    id: &TenantId,
+    name: &str,
+    rate_limit: Option<RateLimit>,
+    key: &NewApiKey,
+    now_ms: i64,
+) -> Result<Insert, StorageError> {
+    let (rps, burst) = rules::rate_limit_columns(rate_limit);
+    // IGNORE skips only the duplicate here: every other value is checked before it is bound.
+    let created = sqlx::query(
+        "INSERT IGNORE INTO tenants (id, name, created_at, rate_limit_rps, rate_limit_burst) VALUES (?, ?, ?, ?, ?)",
+    )
+    .bind(id.as_str())
+    .bind(name)
+    .bind(now_ms)
+    .bind(rps)
+    .bind(burst)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    if created == 0 {
+        return Ok(Insert::AlreadyExists);
+    }
+    sqlx::query("INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES (?, ?, ?, ?)")
+        .bind(&key.id)
+        .bind(id.as_str())
+        .bind(&key.hash)
+        .bind(now_ms)
+        .execute(&mut *conn)
+        .await?;
+    Ok(Insert::Created)
+}
+
+pub async fn add_api_key(
+    conn: &mut MySqlConnection,
+    tenant: &TenantId,
+    key: &NewApiKey,
+    now_ms: i64,
+) -> Result<Option<()>, StorageError> {
+    let added = sqlx::query(
+        "INSERT INTO api_keys (id, tenant_id, hash, created_at) SELECT ?, id, ?, ? FROM tenants WHERE id = ?",
+    )
+    .bind(&key.id)
+    .bind(&key.hash)
+    .bind(now_ms)
+    .bind(tenant.as_str())
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    Ok((added == 1).then_some(()))
+}
+
+pub async fn revoke_api_key(
+    conn: &mut MySqlConnection,
+    tenant: &TenantId,
+    key_id: &str,
+    now_ms: i64,
+) -> Result<Option<()>, StorageError> {
+    let revoked =
+        sqlx::query("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND tenant_id = ? AND revoked_at IS NULL")
+            .bind(now_ms)
+            .bind(key_id)
+            .bind(tenant.as_str())
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+    Ok((revoked == 1).then_some(()))
+}
+
+pub async fn ensure_config_tenant(
+    conn: &mut MySqlConnection,
+    id: &TenantId,
+    name: &str,
+    rate_limit: Option<RateLimit>,
+    key_hash: &str,
+    now_ms: i64,
+) -> Result<(), StorageError> {
+    let (rps, burst) = rules::rate_limit_columns(rate_limit);
+    // Upserts, so several processes starting on one database at once all succeed.
+    sqlx::query(
+        "INSERT INTO tenants (id, name, created_at, rate_limit_rps, rate_limit_burst) VALUES (?, ?, ?, ?, ?)
+         ON DUPLICATE KEY UPDATE name = VALUES(name), rate_limit_rps = VALUES(rate_limit_rps),
+             rate_limit_burst = VALUES(rate_limit_burst)",
+    )
+    .bind(id.as_str())
+    .bind(name)
+    .bind(now_ms)
+    .bind(rps)
+    .bind(burst)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO api_keys (id, tenant_id, hash, created_at) VALUES (?, ?, ?, ?)
+         ON DUPLICATE KEY UPDATE hash = VALUES(hash), revoked_at = NULL",
+    )
+    .bind(format!("cfg-{id}"))
+    .bind(id.as_str())
+    .bind(key_hash)
+    .bind(now_ms)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+pub async fn purge_idempotency(conn: &mut MySqlConnection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+    purge(
+        conn,
+        // Oldest first along idempotency_by_age; keys that old are never locked by a request.
+        "DELETE FROM idempotency WHERE created_at < ? ORDER BY created_at LIMIT ?",
+        before_ms,
+        limit,
+    )
+    .await
+}
+
+/// Runs a purge statement binding its first `?` to `before_ms` and its second to `limit`;
+/// returns the rows deleted.
+pub async fn purge(conn: &mut MySqlConnection, sql: &str, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
+    let deleted = sqlx::query(sql).bind(before_ms).bind(i64::from(limit)).execute(&mut *conn).await?.rows_affected();
+    Ok(deleted)
+}
+
+/// A tenant's ($1) versions beyond the newest $3, ranking first the new version ($2) and the
+/// active one, so neither is ever deleted while the cap is at least 2. Read, then deleted by
+/// version: MySQL may not delete from a table its own subquery reads.
+const PRUNED_PLUGINS: &str = "SELECT version FROM (
+        SELECT p.version, ROW_NUMBER() OVER (ORDER BY
+            p.version = ? DESC,
+            p.version = COALESCE((SELECT a.version FROM plugin_active a WHERE a.tenant_id = ?), 0) DESC,
+            p.version DESC) AS keep_rank
+        FROM plugins p WHERE p.tenant_id = ?) ranked
+    WHERE keep_rank > ?";
+
+/// Stores the next plugin version of a tenant, prunes beyond the cap, and activates it. The
+/// tenant row is locked first, so two processes uploading at once number their versions one
+/// after the other, and an activation (which share-locks the row) never picks a version the
+/// prune is deleting.
+pub async fn save_plugin(
+    conn: &mut MySqlConnection,
+    tenant: &TenantId,
+    upload: &PluginUpload,
+    now_ms: i64,
+) -> Result<PluginVersion, StorageError> {
+    sqlx::query("SELECT 1 FROM tenants WHERE id = ? FOR UPDATE").bind(tenant.as_str()).execute(&mut *conn).await?;
+    let version: i64 = sqlx::query_scalar("SELECT CAST(COALESCE(MAX(version), 0) + 1 AS SIGNED) FROM plugins WHERE tenant_id = ?")
+        .bind(tenant.as_str())
+        .fetch_one(&mut *conn)
+        .await?;
+    sqlx::query(
+        "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at) VALUES (?, ?, ?, ?, ?, ?)",
+    )
+    .bind(tenant.as_str())
+    .bind(version)
+    .bind(&upload.sha256)
+    .bind(&upload.wasm)
+    .bind(&upload.config)
+    .bind(now_ms)
+    .execute(&mut *conn)
+    .await?;
+    // Before the switch, so the version active until now is still the one the rule keeps.
+    let max_versions = i64::try_from(upload.max_versions).unwrap_or(i64::MAX);
+    let pruned: Vec<i64> = sqlx::query_scalar(PRUNED_PLUGINS)
+        .bind(version)
+        .bind(tenant.as_str())
+        .bind(tenant.as_str())
+        .bind(max_versions)
+        .fetch_all(&mut *conn)
+        .await?;
+    for old in pruned {
+        sqlx::query("DELETE FROM plugins WHERE tenant_id = ? AND version = ?")
+            .bind(tenant.as_str())
+            .bind(old)
+            .execute(&mut *conn)
+            .await?;
+    }
+    set_active_plugin(conn, tenant, version).await?;
+    Ok(PluginVersion {
+        version,
+        sha256: upload.sha256.clone(),
+        config: upload.config.clone(),
+        uploaded_at_ms: now_ms,
+        active: true,
+    })
+}
+
+async fn set_active_plugin(conn: &mut MySqlConnection, tenant: &TenantId, version: i64) -> Result<(), StorageError> {
+    sqlx::query(
+        "INSERT INTO plugin_active (tenant_id, version) VALUES (?, ?)
+         ON DUPLICATE KEY UPDATE version = VALUES(version)",
+    )
+    .bind(tenant.as_str())
+    .bind(version)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Activates a stored version (or 0, the built-in default); `None` if there is no such version.
+pub async fn activate_plugin(
+    conn: &mut MySqlConnection,
+    tenant: &TenantId,
+    version: i64,
+) -> Result<Option<PluginVersion>, StorageError> {
+    if version == 0 {
+        set_active_plugin(conn, tenant, 0).await?;
+        return Ok(Some(PluginVersion {
+            version: 0,
+            sha256: String::new(),
+            config: String::new(),
+            uploaded_at_ms: 0,
+            active: true,
+        }));
+    }
+    // Waits for an upload of this tenant in flight, so the version is not one it is pruning.
+    sqlx::query("SELECT 1 FROM tenants WHERE id = ? LOCK IN SHARE MODE").bind(tenant.as_str()).execute(&mut *conn).await?;
+    let found: Option<(String, String, i64)> =
+        sqlx::query_as("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = ? AND version = ?")
+            .bind(tenant.as_str())
+            .bind(version)
+            .fetch_optional(&mut *conn)
+            .await?;
+    let Some((sha256, config, uploaded_at_ms)) = found else { return Ok(None) };
+    set_active_plugin(conn, tenant, version).await?;
+    Ok(Some(PluginVersion { version, sha256, config, uploaded_at_ms, active: true }))
+}

@@ -1,0 +1,115 @@
+//! The broker sinks' cursors on MySQL (docs/NATS.md). Several processes share the database
+//! and each runs the sink, so a process claims a tenant's cursor row with `FOR UPDATE SKIP
+//! LOCKED` in a transaction it keeps open while it publishes that tenant's page and waits for
+//! the acknowledgements; another process skips the tenant meanwhile instead of publishing the
+//! same page. The claim only spares duplicate work: if a process dies or loses the database
+//! mid-page, its transaction ends, the row is free, and whoever takes it next republishes from
+//! the stored cursor; the broker drops what it already has by event id.
+//!
+//! The transaction is idle while the page is published, so the publish must end well within
+//! the session's `idle_transaction_timeout` on MariaDB (10 s, see `batcher::ATTEMPT_DEADLINE`):
+//! `[events.nats] publish_timeout_ms` is capped below it.
+
+use async_trait::async_trait;
+use sqlx::{MySql, MySqlPool, Transaction};
+
+use super::events::{event, EVENT_COLUMNS};
+use crate::engine::TenantId;
+use crate::events::Event;
+use crate::storage::{SinkBacklog, SinkClaim, StorageError};
+
+/// Tenants whose `event_seqs.last` is past the sink's cursor (none: 0), and the events behind in
+/// total.
+pub(super) async fn backlog(pool: &MySqlPool, sink: &str, max_tenants: u32) -> Result<SinkBacklog, StorageError> {
+    let ids: Vec<String> = sqlx::query_scalar(
+        "SELECT s.tenant_id FROM event_seqs s
+         LEFT JOIN event_sink_cursors c ON c.sink = ? AND c.tenant_id = s.tenant_id
+         WHERE s.last > COALESCE(c.last_seq, 0) ORDER BY s.tenant_id LIMIT ?",
+    )
+    .bind(sink)
+    .bind(i64::from(max_tenants))
+    .fetch_all(pool)
+    .await?;
+    let tenants = ids
+        .into_iter()
+        .map(|id| TenantId::parse(id).map_err(|e| StorageError::Internal(format!("event_seqs.tenant_id: {e}"))))
+        .collect::<Result<_, _>>()?;
+    let lag: i64 = sqlx::query_scalar(
+        "SELECT CAST(COALESCE(SUM(s.last - COALESCE(c.last_seq, 0)), 0) AS SIGNED) FROM event_seqs s
+         LEFT JOIN event_sink_cursors c ON c.sink = ? AND c.tenant_id = s.tenant_id
+         WHERE s.last > COALESCE(c.last_seq, 0)",
+    )
+    .bind(sink)
+    .fetch_one(pool)
+    .await?;
+    Ok(SinkBacklog { tenants, lag })
+}
+
+/// Takes the tenant's cursor row, or `None` while another transaction holds it.
+pub(super) async fn claim(pool: &MySqlPool, sink: &str, tenant: &TenantId) -> Result<Option<MyClaim>, StorageError> {
+    // Created outside the claiming transaction: inserting it there would make a second process
+    // wait on the first one's uncommitted row instead of skipping it.
+    sqlx::query(
+        "INSERT IGNORE INTO event_sink_cursors (sink, tenant_id, last_seq) VALUES (?, ?, 0)",
+    )
+    .bind(sink)
+    .bind(tenant.as_str())
+    .execute(pool)
+    .await?;
+    let mut tx = pool.begin().await?;
+    let cursor: Option<i64> = sqlx::query_scalar(
+        "SELECT last_seq FROM event_sink_cursors WHERE sink = ? AND tenant_id = ? FOR UPDATE SKIP LOCKED",
+    )
+    .bind(sink)
+    .bind(tenant.as_str())
+    .fetch_optional(&mut *tx)
+    .await?;
+    match cursor {
+        Some(cursor) => Ok(Some(MyClaim { tx, sink: sink.to_string(), tenant: tenant.clone(), cursor })),
+        None => {
+            tx.rollback().await?;
+            Ok(None)
+        }
+    }
+}
+
+/// A cursor row locked by this process's open transaction.
+pub(super) struct MyClaim {
+    tx: Transaction<'static, MySql>,
+    sink: String,
+    tenant: TenantId,
+    cursor: i64,
+}
+
+#[async_trait]
+impl SinkClaim for MyClaim {
+    fn cursor(&self) -> i64 {
+        self.cursor
+    }
+
+    async fn page(&mut self, limit: u32) -> Result<Vec<Event>, StorageError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+        ))
+        .bind(self.tenant.as_str())
+        .bind(self.cursor)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *self.tx)
+        .await?;
+        rows.iter().map(event).collect()
+    }
+
+    async fn advance(self: Box<Self>, to: i64) -> Result<(), StorageError> {
+        let MyClaim { mut tx, sink, tenant, .. } = *self;
+        sqlx::query(
+            "UPDATE event_sink_cursors SET last_seq = GREATEST(last_seq, ?) WHERE sink = ? AND tenant_id = ?",
+        )
+        .bind(to)
+        .bind(&sink)
+        .bind(tenant.as_str())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+}
