@@ -18,6 +18,7 @@ use crate::jobs::{self, JobSettings};
 use crate::pipeline::{OrderSettings, Pipeline};
 use crate::plugin::{PlanPool, PluginHost, Registry};
 use crate::ratelimit::TenantLimiter;
+use crate::storage::mysql::{MySettings, MyStorage};
 use crate::storage::postgres::{PgSettings, PgStorage};
 use crate::storage::sqlite::{SqliteSettings, SqliteStorage};
 use crate::storage::writer_limits;
@@ -33,13 +34,35 @@ pub async fn open_storage(config: &Config) -> anyhow::Result<Arc<dyn Storage>> {
     } else if is_postgres(url) {
         let storage = PgStorage::open(&pg_settings(config)).await.context("opening the PostgreSQL database")?;
         Ok(Arc::new(storage))
+    } else if is_mysql(url) {
+        let storage = MyStorage::open(&my_settings(config)).await.context("opening the MySQL database")?;
+        Ok(Arc::new(storage))
     } else {
-        bail!("database.url: unsupported scheme (expected sqlite:// or postgres://)")
+        bail!("{UNSUPPORTED_SCHEME}")
     }
 }
 
+const UNSUPPORTED_SCHEME: &str = "database.url: unsupported scheme (expected sqlite://, postgres:// or mysql://)";
+
 fn is_postgres(url: &str) -> bool {
     url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+/// MySQL 8 and MariaDB both (sqlx's driver speaks the protocol they share).
+fn is_mysql(url: &str) -> bool {
+    url.starts_with("mysql://") || url.starts_with("mariadb://")
+}
+
+fn my_settings(config: &Config) -> MySettings {
+    let url = &config.database.url;
+    MySettings {
+        // sqlx knows the scheme as mysql:// only.
+        url: url.strip_prefix("mariadb://").map(|rest| format!("mysql://{rest}")).unwrap_or_else(|| url.clone()),
+        max_connections: config.database.max_connections,
+        acquire_timeout: Duration::from_millis(config.database.acquire_timeout_ms),
+        writer: writer_limits(&config.batch),
+        max_retries: config.database.max_retries,
+    }
 }
 
 fn pg_settings(config: &Config) -> PgSettings {
@@ -59,8 +82,10 @@ pub async fn migrate(config: &Config) -> anyhow::Result<()> {
         SqliteStorage::migrate(&sqlite_settings(config)).await.context("migrating the SQLite database")?;
     } else if is_postgres(url) {
         PgStorage::migrate(&pg_settings(config)).await.context("migrating the PostgreSQL database")?;
+    } else if is_mysql(url) {
+        MyStorage::migrate(&my_settings(config)).await.context("migrating the MySQL database")?;
     } else {
-        bail!("database.url: unsupported scheme (expected sqlite:// or postgres://)")
+        bail!("{UNSUPPORTED_SCHEME}")
     }
     Ok(())
 }

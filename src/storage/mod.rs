@@ -55,10 +55,23 @@ impl From<sqlx::Error> for StorageError {
             E::Io(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed | E::Tls(_) => {
                 StorageError::Unavailable(err.to_string())
             }
+            E::Database(db) if is_transient_mysql(db.as_ref()) => StorageError::Unavailable(err.to_string()),
+            E::Database(db) if db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some() => {
+                StorageError::Internal(err.to_string())
+            }
             E::Database(db) if is_transient_code(db.code().as_deref()) => StorageError::Unavailable(err.to_string()),
             _ => StorageError::Internal(err.to_string()),
         }
     }
+}
+
+/// MySQL / MariaDB errors that mean "try again later": lock wait timeout (1205), deadlock
+/// (1213), too many connections (1040), server shutting down (1053), connection killed (1927),
+/// read-only server (1290, 1836, 1792: a failover in progress), statement timeouts (1969
+/// MariaDB, 3024 MySQL), lost connection (2006, 2013). SQLSTATEs alone cannot tell: 1205 is HY000.
+fn is_transient_mysql(db: &dyn sqlx::error::DatabaseError) -> bool {
+    db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .is_some_and(|e| matches!(e.number(), 1205 | 1213 | 1040 | 1053 | 1927 | 1290 | 1836 | 1792 | 1969 | 3024 | 2006 | 2013))
 }
 
 /// Database error codes that mean "try again later" rather than "this is a bug".

@@ -342,11 +342,13 @@ impl Columns for sqlx::mysql::MySqlRow {
     fn opt_int(&self, col: &str) -> Result<Option<i64>, StorageError> {
         Ok(sqlx::Row::try_get(self, col)?)
     }
+    /// Unchecked: identifiers are stored with a binary collation (`ascii_bin`, compared byte by
+    /// byte), which MySQL reports as binary strings; their bytes are ASCII, checked as UTF-8 here.
     fn text(&self, col: &str) -> Result<String, StorageError> {
-        Ok(sqlx::Row::try_get(self, col)?)
+        Ok(sqlx::Row::try_get_unchecked(self, col)?)
     }
     fn opt_text(&self, col: &str) -> Result<Option<String>, StorageError> {
-        Ok(sqlx::Row::try_get(self, col)?)
+        Ok(sqlx::Row::try_get_unchecked(self, col)?)
     }
     /// MySQL has no boolean type: a flag is an integer (a comparison's 0 or 1).
     fn flag(&self, col: &str) -> Result<bool, StorageError> {

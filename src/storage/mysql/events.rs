@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use sqlx::{MySqlConnection, Row};
 
 use crate::events::{new_event_id, Event, NewEvent};
+use crate::storage::rows::Columns;
 use crate::storage::StorageError;
 
 /// An event of the batch attempt, its id made when it was emitted (ids sort in the order made).
@@ -74,11 +75,14 @@ pub(super) async fn seal(conn: &mut MySqlConnection) -> Result<Vec<String>, sqlx
     bump.execute(&mut *conn).await?;
     // READ COMMITTED: this reads the rows as this transaction left them, locked by it.
     let sql = format!("SELECT tenant_id, last FROM event_seqs WHERE tenant_id IN ({})", vec!["?"; counts.len()].join(", "));
-    let mut read = sqlx::query_as::<_, (String, i64)>(&sql);
+    let mut read = sqlx::query(&sql);
     for tenant in counts.keys() {
         read = read.bind(*tenant);
     }
-    let lasts: HashMap<String, i64> = read.fetch_all(&mut *conn).await?.into_iter().collect();
+    let mut lasts: HashMap<String, i64> = HashMap::with_capacity(counts.len());
+    for row in read.fetch_all(&mut *conn).await? {
+        lasts.insert(row.try_get_unchecked("tenant_id")?, row.try_get("last")?);
+    }
     // The next number of each tenant: its new last minus its count, plus one.
     let mut next: HashMap<&str, i64> = HashMap::with_capacity(counts.len());
     for (tenant, count) in &counts {
@@ -112,14 +116,14 @@ pub(super) async fn seal(conn: &mut MySqlConnection) -> Result<Vec<String>, sqlx
 pub(super) const EVENT_COLUMNS: &str = "id, tenant_id, seq, type, ordering_key, at, data";
 
 pub(super) fn event(row: &sqlx::mysql::MySqlRow) -> Result<Event, StorageError> {
-    let seq: Option<i64> = row.try_get("seq")?;
+    let seq: Option<i64> = row.opt_int("seq")?;
     Ok(Event {
-        id: row.try_get("id")?,
-        tenant: row.try_get("tenant_id")?,
+        id: row.text("id")?,
+        tenant: row.text("tenant_id")?,
         seq: seq.ok_or_else(|| StorageError::Internal("an unnumbered event was read".into()))?,
-        kind: row.try_get("type")?,
-        ordering_key: row.try_get("ordering_key")?,
-        at: row.try_get("at")?,
-        data: row.try_get("data")?,
+        kind: row.text("type")?,
+        ordering_key: row.text("ordering_key")?,
+        at: row.int("at")?,
+        data: row.text("data")?,
     })
 }

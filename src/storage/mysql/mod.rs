@@ -104,11 +104,8 @@ async fn connect(settings: &MySettings) -> Result<MySqlPool, StorageError> {
 /// database mid-batch (partition, freeze), the server rolls back and frees its row locks for the
 /// other processes once it has waited that long for our next statement.
 async fn configure_session(conn: &mut MySqlConnection) -> Result<(), sqlx::Error> {
-    sqlx::query(&format!(
-        "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED, SESSION innodb_lock_wait_timeout = {LOCK_WAIT_SECONDS}"
-    ))
-    .execute(&mut *conn)
-    .await?;
+    sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED").execute(&mut *conn).await?;
+    sqlx::query(&format!("SET SESSION innodb_lock_wait_timeout = {LOCK_WAIT_SECONDS}")).execute(&mut *conn).await?;
     let idle = format!("SET SESSION idle_transaction_timeout = {}", ATTEMPT_DEADLINE.as_secs());
     if let Err(err) = sqlx::query(&idle).execute(&mut *conn).await {
         // MySQL 8 has no such variable (error 1193); the locks then last until the connection
@@ -425,13 +422,11 @@ impl Storage for MyStorage {
         idem: &IdempotencyRequest,
     ) -> Result<Option<Idempotent>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let row: Option<(String, i32, String, String)> = sqlx::query_as(STORED_OUTCOME_SQL)
-            .bind(tenant.as_str())
-            .bind(idem.key.as_str())
-            .fetch_optional(&mut *conn)
-            .await?;
-        let Some((hash, code, kind, body)) = row else { return Ok(None) };
-        Ok(Some(idem.judge(&hash, super::StoredResponse::from_db(i64::from(code), &kind, body)?)))
+        let sql = sql::translate(STORED_OUTCOME_SQL);
+        let args = [sql::Arg::Text(tenant.as_str()), sql::Arg::Text(idem.key.as_str())];
+        let Some(row) = sql::bind_all(&sql, &args).fetch_optional(&mut *conn).await? else { return Ok(None) };
+        let Some(response) = port::stored_response(&row)? else { return Ok(None) };
+        Ok(Some(idem.judge(&rows::Columns::text(&row, "request_hash")?, response)))
     }
 
     async fn execute_order(&self, job: Arc<OrderJob>, now_ms: i64) -> Result<OrderExecution, StorageError> {

@@ -8,6 +8,7 @@ use sqlx::MySqlConnection;
 
 use crate::engine::TenantId;
 use crate::ratelimit::RateLimit;
+use crate::storage::rows::Columns;
 use crate::storage::rules;
 use crate::storage::{Insert, NewApiKey, PluginUpload, PluginVersion, StorageError};
 
@@ -227,13 +228,13 @@ pub async fn activate_plugin(
     }
     // Waits for an upload of this tenant in flight, so the version is not one it is pruning.
     sqlx::query("SELECT 1 FROM tenants WHERE id = ? LOCK IN SHARE MODE").bind(tenant.as_str()).execute(&mut *conn).await?;
-    let found: Option<(String, String, i64)> =
-        sqlx::query_as("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = ? AND version = ?")
-            .bind(tenant.as_str())
-            .bind(version)
-            .fetch_optional(&mut *conn)
-            .await?;
-    let Some((sha256, config, uploaded_at_ms)) = found else { return Ok(None) };
+    let found = sqlx::query("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = ? AND version = ?")
+        .bind(tenant.as_str())
+        .bind(version)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let Some(found) = found else { return Ok(None) };
+    let (sha256, config, uploaded_at_ms) = (found.text("sha256")?, found.text("config")?, found.int("uploaded_at")?);
     set_active_plugin(conn, tenant, version).await?;
     Ok(Some(PluginVersion { version, sha256, config, uploaded_at_ms, active: true }))
 }

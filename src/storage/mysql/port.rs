@@ -47,8 +47,8 @@ pub(super) fn tuples(n: usize, group: usize) -> String {
 /// `None` while its key is claimed but not yet answered.
 pub(super) fn stored_response(row: &MySqlRow) -> Result<Option<StoredResponse>, StorageError> {
     let code: Option<i32> = row.try_get("response_code")?;
-    let kind: Option<String> = row.try_get("response_type")?;
-    let body: Option<String> = row.try_get("response_body")?;
+    let kind = row.opt_text("response_type")?;
+    let body = row.opt_text("response_body")?;
     let (Some(code), Some(kind), Some(body)) = (code, kind, body) else { return Ok(None) };
     StoredResponse::from_db(i64::from(code), &kind, body).map(Some)
 }
@@ -90,10 +90,7 @@ fn change_sql(row: Row, how: Move, gate: Gate) -> String {
 pub fn locked_rows(rows: &[MySqlRow]) -> Result<LockedRows, StorageError> {
     let mut locked = LockedRows::new();
     for row in rows {
-        let kind: String = row.try_get("kind")?;
-        let status: String = row.try_get("status")?;
-        let mode: String = row.try_get("mode")?;
-        let stock: String = row.try_get("stock")?;
+        let (kind, status, mode, stock) = (row.text("kind")?, row.text("status")?, row.text("mode")?, row.text("stock")?);
         let parsed = AdmissionRow {
             kind: Kind::from_db(&kind).ok_or_else(|| corrupt("resources.kind"))?,
             active: status == ResourceStatus::Active.as_str(),
@@ -106,7 +103,7 @@ pub fn locked_rows(rows: &[MySqlRow]) -> Result<LockedRows, StorageError> {
             low_stock: row.try_get("low_stock")?,
             stock: StockBand::from_db(&stock).ok_or_else(|| corrupt("resources.stock"))?,
         };
-        locked.entry(row.try_get("tenant_id")?).or_default().insert(row.try_get("key")?, parsed);
+        locked.entry(row.text("tenant_id")?).or_default().insert(row.text("key")?, parsed);
     }
     Ok(locked)
 }
@@ -207,7 +204,7 @@ impl<'c> MyPort<'c> {
         let mut found = HashMap::with_capacity(rows.len());
         for row in rows {
             if let Some(response) = stored_response(&row)? {
-                found.insert((row.try_get("tenant_id")?, row.try_get("key")?), (row.try_get("request_hash")?, response));
+                found.insert((row.text("tenant_id")?, row.text("key")?), (row.text("request_hash")?, response));
             }
         }
         Ok(found)
@@ -279,7 +276,7 @@ impl Port for MyPort<'_> {
         // The row conflicted a moment ago and is gone now: the purge job removed an expired key in
         // between. Transient: the retried batch finds the key free.
         let Some(row) = row else { return Err(StorageError::Unavailable("idempotency key vanished".into())) };
-        let hash: String = row.try_get("request_hash")?;
+        let hash = row.text("request_hash")?;
         // Committed rows always carry their response (it is written in the transaction that
         // inserted them), so a missing one means this transaction claimed it and did not finish.
         let Some(response) = stored_response(&row)? else {
@@ -400,7 +397,7 @@ impl Port for MyPort<'_> {
     }
 
     async fn view(&mut self, tenant: &str, key: &str) -> Result<Option<View>, StorageError> {
-        let row: Option<(String, String, String, i64, i64)> = sqlx::query_as(
+        let row = sqlx::query(
             "SELECT status, kind, mode,
                     CASE WHEN buckets = 1 THEN available ELSE
                       (SELECT CAST(COALESCE(SUM(b.available), 0) AS SIGNED) FROM resource_buckets b
@@ -412,7 +409,9 @@ impl Port for MyPort<'_> {
         .bind(key)
         .fetch_optional(&mut *self.conn)
         .await?;
-        let Some((status, kind, mode, available, buckets)) = row else { return Ok(None) };
+        let Some(row) = row else { return Ok(None) };
+        let (status, kind, mode) = (row.text("status")?, row.text("kind")?, row.text("mode")?);
+        let (available, buckets) = (row.int("available")?, row.int("buckets")?);
         let (Some(status), Some(kind), Some(mode)) =
             (ResourceStatus::from_db(&status), Kind::from_db(&kind), Mode::from_db(&mode))
         else {
@@ -532,14 +531,17 @@ impl Port for MyPort<'_> {
     /// Candidates found first without locks; then their resource rows are locked, in the batches'
     /// global order, skipping any a batch holds, so no batch deducts from their buckets meanwhile.
     async fn uneven_resources(&mut self, limit: u32) -> Result<Vec<(String, String)>, StorageError> {
-        let candidates: Vec<(String, String)> = sqlx::query_as(
+        let candidates = sqlx::query(
             "SELECT b.tenant_id, b.resource_key FROM resource_buckets b
              GROUP BY b.tenant_id, b.resource_key HAVING MAX(b.available) - MIN(b.available) > 1
              ORDER BY b.tenant_id, b.resource_key LIMIT ?",
         )
         .bind(i64::from(limit))
         .fetch_all(&mut *self.conn)
-        .await?;
+        .await?
+        .iter()
+        .map(|row| Ok((row.text("tenant_id")?, row.text("resource_key")?)))
+        .collect::<Result<Vec<_>, StorageError>>()?;
         let locked = lock_resources(self.conn, &candidates, true).await?;
         locked.iter().filter(|row| row.int("buckets").unwrap_or(1) > 1).map(|row| Ok((row.text("tenant_id")?, row.text("key")?))).collect()
     }
@@ -923,7 +925,7 @@ impl Port for MyPort<'_> {
         .fetch_optional(&mut *self.conn)
         .await?;
         let Some(row) = row else { return Ok(None) };
-        let band: String = row.try_get("stock")?;
+        let band = row.text("stock")?;
         let band = StockBand::from_db(&band).ok_or_else(|| corrupt("resources.stock"))?;
         Ok(Some(Stock { available: row.try_get("available")?, low_stock: row.try_get("low_stock")?, band }))
     }

@@ -16,12 +16,13 @@ use sqlx::{MySql, MySqlPool, Transaction};
 use super::events::{event, EVENT_COLUMNS};
 use crate::engine::TenantId;
 use crate::events::Event;
+use crate::storage::rows::Columns;
 use crate::storage::{SinkBacklog, SinkClaim, StorageError};
 
 /// Tenants whose `event_seqs.last` is past the sink's cursor (none: 0), and the events behind in
 /// total.
 pub(super) async fn backlog(pool: &MySqlPool, sink: &str, max_tenants: u32) -> Result<SinkBacklog, StorageError> {
-    let ids: Vec<String> = sqlx::query_scalar(
+    let ids = sqlx::query(
         "SELECT s.tenant_id FROM event_seqs s
          LEFT JOIN event_sink_cursors c ON c.sink = ? AND c.tenant_id = s.tenant_id
          WHERE s.last > COALESCE(c.last_seq, 0) ORDER BY s.tenant_id LIMIT ?",
@@ -31,8 +32,8 @@ pub(super) async fn backlog(pool: &MySqlPool, sink: &str, max_tenants: u32) -> R
     .fetch_all(pool)
     .await?;
     let tenants = ids
-        .into_iter()
-        .map(|id| TenantId::parse(id).map_err(|e| StorageError::Internal(format!("event_seqs.tenant_id: {e}"))))
+        .iter()
+        .map(|row| TenantId::parse(row.text("tenant_id")?).map_err(|e| StorageError::Internal(format!("event_seqs.tenant_id: {e}"))))
         .collect::<Result<_, _>>()?;
     let lag: i64 = sqlx::query_scalar(
         "SELECT CAST(COALESCE(SUM(s.last - COALESCE(c.last_seq, 0)), 0) AS SIGNED) FROM event_seqs s
