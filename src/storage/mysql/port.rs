@@ -159,6 +159,15 @@ impl<'c> MyPort<'c> {
         Ok(bind_all(&translated, args).fetch_all(&mut *self.conn).await?)
     }
 
+    /// Like [`Self::rows`], on a statement prepared for this one execution. MariaDB 10.11 answers
+    /// the reconciliation queries (a CTE whose correlated subquery reads the checkpoints) wrongly
+    /// when it executes a cached prepared statement again: it kept the first execution's
+    /// checkpoint versions, and a clean ledger was reported as drift. Prepared afresh, they are right.
+    async fn rows_once(&mut self, sql: &str, args: &[Arg<'_>]) -> Result<Vec<MySqlRow>, StorageError> {
+        let translated = translate(sql);
+        Ok(bind_all(&translated, args).persistent(false).fetch_all(&mut *self.conn).await?)
+    }
+
     async fn row(&mut self, sql: &str, args: &[Arg<'_>]) -> Result<Option<MySqlRow>, StorageError> {
         let translated = translate(sql);
         Ok(bind_all(&translated, args).fetch_optional(&mut *self.conn).await?)
@@ -1144,9 +1153,9 @@ impl Reads for MyPort<'_> {
             .collect::<Result<_, StorageError>>()?;
         let found = self.rows(&checkpoints, &args).await?;
         let checkpoints = found.iter().map(|row| rows::checkpoint(row)).collect::<Result<_, _>>()?;
-        let found = self.rows(&sums, &args).await?;
+        let found = self.rows_once(&sums, &args).await?;
         let sums = found.iter().map(|row| rows::ledger_sum(row)).collect::<Result<_, _>>()?;
-        let found = self.rows(&newest, &args).await?;
+        let found = self.rows_once(&newest, &args).await?;
         let newest = found.iter().map(|row| rows::newest_entry(row)).collect::<Result<_, _>>()?;
         let found = self.rows(&buckets, &args).await?;
         let buckets = rows::group_buckets(found.iter().map(|row| rows::bucket(row)).collect::<Result<Vec<_>, _>>()?);
