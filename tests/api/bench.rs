@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::helpers::{plugin_dist, Backend};
+use crate::helpers::{mysql_admin_url, pg_admin_url, plugin_dist, Backend};
 
 /// How long one short bench run may take, start-up and invariant checks included.
 const BENCH_DEADLINE: Duration = Duration::from_secs(120);
@@ -28,8 +28,14 @@ pub(crate) async fn bench(args: &[&str]) -> (String, Value) {
         .env_remove("STOCKD_ADMIN_TOKEN")
         .stdin(Stdio::null())
         .kill_on_drop(true);
-    if Backend::from_env() == Backend::Postgres {
-        command.args(["--backend", "postgres", "--database-url", &crate::helpers::pg_admin_url()]);
+    match Backend::from_env() {
+        Backend::Sqlite => {}
+        Backend::Postgres => {
+            command.args(["--backend", "postgres", "--database-url", &pg_admin_url()]);
+        }
+        Backend::Mysql => {
+            command.args(["--backend", "mysql", "--database-url", &mysql_admin_url()]);
+        }
     }
     let output: Output = tokio::time::timeout(BENCH_DEADLINE, command.output())
         .await

@@ -286,7 +286,7 @@ async fn redis_mode_sales_emit_their_events_when_they_settle() {
     tamper(
         app.database_url(),
         &[&format!(
-            "UPDATE resources SET available = 0, total = reserved + consumed WHERE tenant_id = '{}' AND key = 'sku-1'",
+            "UPDATE resources SET available = 0, total = reserved + consumed WHERE tenant_id = '{}' AND \"key\" = 'sku-1'",
             shop.id
         )],
     )
@@ -318,7 +318,7 @@ async fn drift_found_in_history_proven_clean_emits_one_event() {
     shop.assert_reconciliation_clean(1).await;
     tamper(
         app.database_url(),
-        &["UPDATE resources SET available = available + 1, total = total + 1 WHERE tenant_id = 'shop' AND key = 'sku-1'"],
+        &["UPDATE resources SET available = available + 1, total = total + 1 WHERE tenant_id = 'shop' AND \"key\" = 'sku-1'"],
     )
     .await;
     for _ in 0..3 {

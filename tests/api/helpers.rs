@@ -43,6 +43,8 @@ const LISTENING_PREFIX: &str = "listening on http://";
 pub enum Backend {
     Sqlite,
     Postgres,
+    /// MySQL or MariaDB (CI runs MariaDB), on the server at `STOCKD_TEST_MYSQL_URL`.
+    Mysql,
 }
 
 impl Backend {
@@ -52,22 +54,85 @@ impl Backend {
             Ok(name) => match name.as_str() {
                 "" | "sqlite" => Backend::Sqlite,
                 "postgres" => Backend::Postgres,
+                "mysql" => Backend::Mysql,
                 other => panic!("STOCKD_TEST_BACKEND={other:?} is not a backend this suite knows"),
             },
         }
     }
 
-    /// A database nobody else uses, for one test (and its restarts): a file in the test's
-    /// directory, or a new PostgreSQL database that is dropped with the returned guard.
-    async fn fresh_database(self, dir: &Path) -> (String, Option<PgDatabase>) {
+    /// Whether the database is a server that several stockd processes share as equals (not
+    /// a file that one process writes through its own writer).
+    pub fn is_server(self) -> bool {
         match self {
-            Backend::Sqlite => (format!("sqlite://{}", dir.join("stockd.db").display()), None),
-            Backend::Postgres => {
-                let db = PgDatabase::create().await;
-                (db.url(), Some(db))
-            }
+            Backend::Sqlite => false,
+            Backend::Postgres | Backend::Mysql => true,
         }
     }
+
+    /// A database nobody else uses, for one test (and its restarts): a file in the test's
+    /// directory, or a new database on the PostgreSQL or MySQL server that is dropped with the
+    /// returned guard.
+    async fn fresh_database(self, dir: &Path) -> (String, Option<ServerDatabase>) {
+        let db = match self {
+            Backend::Sqlite => return (format!("sqlite://{}", dir.join("stockd.db").display()), None),
+            Backend::Postgres => ServerDatabase::Postgres(PgDatabase::create().await),
+            Backend::Mysql => ServerDatabase::Mysql(MysqlDatabase::create().await),
+        };
+        (db.url(), Some(db))
+    }
+}
+
+/// A test's own database on a database server; dropping it drops the database.
+enum ServerDatabase {
+    Postgres(PgDatabase),
+    Mysql(MysqlDatabase),
+}
+
+impl ServerDatabase {
+    fn url(&self) -> String {
+        match self {
+            ServerDatabase::Postgres(db) => db.url(),
+            ServerDatabase::Mysql(db) => db.url(),
+        }
+    }
+}
+
+/// `admin_url` with its database (the last path segment) replaced by `name`; a query string
+/// (`?ssl-mode=...`) is kept.
+fn url_with_database(admin_url: &str, name: &str) -> String {
+    let (url, query) = match admin_url.split_once('?') {
+        Some((url, query)) => (url, format!("?{query}")),
+        None => (admin_url, String::new()),
+    };
+    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap_or(url);
+    format!("{base}/{name}{query}")
+}
+
+/// Creates a database no other test uses on the `server` (`PostgreSQL`, `MySQL`) at
+/// `admin_url`, through a connection of type `C`, and returns its name: `stockd_test_` and 16
+/// hex digits. An unreachable server fails the test: no test is skipped for a missing service.
+async fn create_test_database<C>(server: &str, admin_url: &str) -> String
+where
+    C: sqlx::Connection,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+    for<'q> <C::Database as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, C::Database>,
+{
+    let name = format!("stockd_test_{:016x}", rand::random::<u64>());
+    let admin = C::connect(admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("{server} at {admin_url} must be reachable for this suite: {e}"));
+    execute_all(admin, &[&format!("CREATE DATABASE {name}")]).await;
+    name
+}
+
+/// Runs `clean_up` on a small runtime of its own on another thread and waits for it. Drop runs
+/// outside any runtime guarantee; failure only leaves a stray database behind, never fails a test.
+fn block_on_own_runtime<F: std::future::Future<Output = ()> + Send + 'static>(clean_up: F) {
+    let _ = std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        rt.block_on(clean_up);
+    })
+    .join();
 }
 
 /// The PostgreSQL server the suite creates its databases on (`STOCKD_TEST_PG_URL`, default the
@@ -83,43 +148,80 @@ pub struct PgDatabase {
 
 impl PgDatabase {
     async fn create() -> PgDatabase {
-        use sqlx::Connection;
-        let name = format!("stockd_test_{:016x}", rand::random::<u64>());
-        let mut admin = sqlx::PgConnection::connect(&pg_admin_url())
-            .await
-            .unwrap_or_else(|e| panic!("PostgreSQL at {} must be reachable for this suite: {e}", pg_admin_url()));
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut admin)
-            .await
-            .unwrap_or_else(|e| panic!("creating test database {name}: {e}"));
-        let _ = admin.close().await;
-        PgDatabase { name }
+        PgDatabase { name: create_test_database::<sqlx::PgConnection>("PostgreSQL", &pg_admin_url()).await }
     }
 
     fn url(&self) -> String {
-        let admin = pg_admin_url();
-        let base = admin.rsplit_once('/').map(|(base, _)| base).unwrap_or(&admin);
-        format!("{base}/{}", self.name)
+        url_with_database(&pg_admin_url(), &self.name)
     }
 }
 
 impl Drop for PgDatabase {
     fn drop(&mut self) {
-        // Drop runs outside any runtime guarantee, so the clean-up gets its own small runtime
-        // on its own thread. Failure only leaves a stray database behind; it never fails a test.
         let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
-            rt.block_on(async move {
-                use sqlx::Connection;
-                if let Ok(mut admin) = sqlx::PgConnection::connect(&pg_admin_url()).await {
-                    let _ =
-                        sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut admin).await;
-                    let _ = admin.close().await;
-                }
-            });
-        })
-        .join();
+        block_on_own_runtime(async move {
+            use sqlx::Connection;
+            if let Ok(mut admin) = sqlx::PgConnection::connect(&pg_admin_url()).await {
+                let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut admin).await;
+                let _ = admin.close().await;
+            }
+        });
+    }
+}
+
+/// The MySQL/MariaDB server the suite creates its databases on (`STOCKD_TEST_MYSQL_URL`,
+/// default the local server's root without a password). Any database of that server works as
+/// the admin connection.
+pub fn mysql_admin_url() -> String {
+    std::env::var("STOCKD_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/mysql".to_owned())
+}
+
+/// Bound, in seconds, on the metadata-lock wait of dropping a test's MySQL database: a
+/// connection the clean-up could not kill must not hang the suite (the default is a day).
+const MYSQL_DROP_LOCK_WAIT_SECONDS: u32 = 10;
+
+/// A throwaway MySQL database for one test, dropped (connections and all) when the test ends.
+/// Created with the server's default character set and collation, as an operator's would be.
+pub struct MysqlDatabase {
+    name: String,
+}
+
+impl MysqlDatabase {
+    async fn create() -> MysqlDatabase {
+        MysqlDatabase { name: create_test_database::<sqlx::MySqlConnection>("MySQL", &mysql_admin_url()).await }
+    }
+
+    fn url(&self) -> String {
+        url_with_database(&mysql_admin_url(), &self.name)
+    }
+}
+
+impl Drop for MysqlDatabase {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        block_on_own_runtime(async move {
+            use sqlx::Connection;
+            let Ok(mut admin) = sqlx::MySqlConnection::connect(&mysql_admin_url()).await else { return };
+            // MySQL has no `DROP DATABASE ... WITH (FORCE)`: end the sessions still using the
+            // database (a sibling process, a held table) first, or the drop waits on their locks.
+            // (`id` is signed in MariaDB and unsigned in MySQL: the cast reads both.)
+            let sessions: Vec<(i64,)> = sqlx::query_as(
+                "SELECT CAST(id AS SIGNED) FROM information_schema.processlist WHERE db = ? AND id <> CONNECTION_ID()",
+            )
+            .bind(&name)
+            .fetch_all(&mut admin)
+            .await
+            .unwrap_or_default();
+            for (id,) in sessions {
+                // The session may have ended on its own meanwhile.
+                let _ = sqlx::query(&format!("KILL {id}")).execute(&mut admin).await;
+            }
+            let _ = sqlx::query(&format!("SET SESSION lock_wait_timeout = {MYSQL_DROP_LOCK_WAIT_SECONDS}"))
+                .execute(&mut admin)
+                .await;
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name}")).execute(&mut admin).await;
+            let _ = admin.close().await;
+        });
     }
 }
 
@@ -158,8 +260,8 @@ pub struct TestApp {
     opts: AppOptions,
     database_url: String,
     config_path: PathBuf,
-    /// The test's PostgreSQL database, dropped after the child has been killed.
-    _database: Option<PgDatabase>,
+    /// The test's database on a database server, dropped after the child has been killed.
+    _database: Option<ServerDatabase>,
     /// Declared last: the directory is removed only after the child has been killed.
     dir: TempDir,
 }
@@ -594,7 +696,7 @@ pub fn assert_no_leak(reply: &Reply) {
     for needle in ["SELECT", "INSERT"] {
         assert!(!reply.text.contains(needle), "body leaks {needle:?}: {}", reply.text);
     }
-    for needle in ["sqlite", "panicked", "postgres"] {
+    for needle in ["sqlite", "panicked", "postgres", "mysql", "mariadb"] {
         assert!(!lower.contains(needle), "body leaks {needle:?}: {}", reply.text);
     }
 }
@@ -990,22 +1092,47 @@ impl TestApp {
 }
 
 /// Runs statements directly on the test's database, behind the server's back.
+///
+/// The statements are plain standard SQL that SQLite, PostgreSQL and MySQL all read the same:
+/// an identifier that is a reserved word in MySQL (`key`, `lines`) is written in double quotes
+/// (`"key"`), which the MySQL connection reads as an identifier (see [`mysql_connect_ansi`]).
 pub async fn tamper(database_url: &str, statements: &[&str]) {
     use sqlx::Connection;
     match Backend::from_env() {
         Backend::Sqlite => {
-            let mut conn = sqlx::SqliteConnection::connect(database_url).await.expect("the test database opens");
-            for sql in statements {
-                sqlx::query(sql).execute(&mut conn).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
-            }
-            let _ = conn.close().await;
+            let conn = sqlx::SqliteConnection::connect(database_url).await.expect("the test database opens");
+            execute_all(conn, statements).await;
         }
         Backend::Postgres => {
-            let mut conn = sqlx::PgConnection::connect(database_url).await.expect("the test database opens");
-            for sql in statements {
-                sqlx::query(sql).execute(&mut conn).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
-            }
-            let _ = conn.close().await;
+            let conn = sqlx::PgConnection::connect(database_url).await.expect("the test database opens");
+            execute_all(conn, statements).await;
         }
+        Backend::Mysql => execute_all(mysql_connect_ansi(database_url).await, statements).await,
     }
+}
+
+/// Executes each statement on `conn`, failing the test on the first error, then closes it.
+async fn execute_all<C>(mut conn: C, statements: &[&str])
+where
+    C: sqlx::Connection,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+    for<'q> <C::Database as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, C::Database>,
+{
+    for sql in statements {
+        sqlx::query(sql).execute(&mut conn).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    let _ = conn.close().await;
+}
+
+/// A connection to a test's MySQL database for SQL written by the tests: with `ANSI_QUOTES`
+/// added to the session's `sql_mode`, `"key"` is an identifier (as in SQLite and PostgreSQL),
+/// not a string. (sqlx already adds `PIPES_AS_CONCAT`, so `||` concatenates.)
+pub async fn mysql_connect_ansi(database_url: &str) -> sqlx::MySqlConnection {
+    use sqlx::Connection;
+    let mut conn = sqlx::MySqlConnection::connect(database_url).await.expect("the test database opens");
+    sqlx::query("SET SESSION sql_mode = CONCAT(@@sql_mode, ',ANSI_QUOTES')")
+        .execute(&mut conn)
+        .await
+        .expect("ANSI_QUOTES is a valid sql_mode");
+    conn
 }

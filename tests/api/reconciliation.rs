@@ -91,7 +91,7 @@ async fn a_counter_corrupted_after_a_checkpoint_is_reported_by_every_later_pass(
     tamper(
         app.database_url(),
         &["UPDATE resources SET available = available + 1, total = total + 1
-           WHERE tenant_id = 'shop' AND key = 'sku-1'"],
+           WHERE tenant_id = 'shop' AND \"key\" = 'sku-1'"],
     )
     .await;
     let drift = |available: i64, consumed: i64, version: i64| {

@@ -111,10 +111,13 @@ pub async fn wait_settled(shop: &TenantClient, key: &str, consumed: i64) -> Valu
 }
 
 /// Holds the database's resources table so settlement cannot commit (reads go on): an
-/// exclusive SQLite transaction, or a PostgreSQL table lock. Dropping the guard releases it.
+/// exclusive SQLite transaction, a PostgreSQL table lock, or a MySQL table read lock (which,
+/// like PostgreSQL's `EXCLUSIVE` mode, lets other sessions read the table and makes every
+/// write to it wait). Dropping the guard releases it.
 pub enum TableHold {
     Sqlite(sqlx::SqliteConnection),
     Postgres(sqlx::PgConnection),
+    Mysql(sqlx::MySqlConnection),
 }
 
 impl TableHold {
@@ -137,6 +140,11 @@ impl TableHold {
                 sqlx::query("LOCK TABLE resources IN EXCLUSIVE MODE").execute(&mut conn).await.expect("LOCK TABLE");
                 TableHold::Postgres(conn)
             }
+            Backend::Mysql => {
+                let mut conn = sqlx::MySqlConnection::connect(database_url).await.expect("MySQL answers");
+                sqlx::query("LOCK TABLES resources READ").execute(&mut conn).await.expect("LOCK TABLES");
+                TableHold::Mysql(conn)
+            }
         }
     }
 
@@ -144,6 +152,7 @@ impl TableHold {
         let rolled_back = match self {
             TableHold::Sqlite(mut conn) => sqlx::query("ROLLBACK").execute(&mut conn).await.map(|_| ()),
             TableHold::Postgres(mut conn) => sqlx::query("ROLLBACK").execute(&mut conn).await.map(|_| ()),
+            TableHold::Mysql(mut conn) => sqlx::query("UNLOCK TABLES").execute(&mut conn).await.map(|_| ()),
         };
         rolled_back.expect("the hold is released");
     }

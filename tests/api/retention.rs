@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use sqlx::Connection;
 
-use crate::helpers::{spawn_app_with, AppOptions, Backend, TestApp};
+use crate::helpers::{mysql_connect_ansi, spawn_app_with, AppOptions, Backend, TestApp};
 use crate::redis_support::{
     create_redis_resource, deduct_one, order_through_503, redis_app, redis_conn, shared_redis_url, stream_key,
     wait_settled,
@@ -18,10 +18,14 @@ use crate::redis_support::{
 const DEADLINE: Duration = Duration::from_secs(30);
 const HOUR_MS: i64 = 3_600_000;
 
-/// A connection to the test's database, on either backend.
+/// How many rows one generated `INSERT ... VALUES` writes on MySQL.
+const MYSQL_ROWS_PER_INSERT: i64 = 1000;
+
+/// A connection to the test's database, on any backend.
 enum Db {
     Sqlite(sqlx::SqliteConnection),
     Postgres(sqlx::PgConnection),
+    Mysql(sqlx::MySqlConnection),
 }
 
 impl Db {
@@ -33,13 +37,39 @@ impl Db {
             Backend::Postgres => {
                 Db::Postgres(sqlx::PgConnection::connect(app.database_url()).await.expect("PostgreSQL answers"))
             }
+            Backend::Mysql => Db::Mysql(mysql_connect_ansi(app.database_url()).await),
         }
+    }
+
+    /// Inserts `n` settled ids `old-1` ... `old-<n>` of `shop`/`sku-1` settled at `at`.
+    async fn insert_settled_ids(&mut self, n: i64, at: i64) {
+        if let Db::Mysql(_) = self {
+            // MariaDB stops a recursive CTE after 1,000 rounds (`max_recursive_iterations`) and
+            // neither it nor MySQL takes `WITH` before `INSERT`: the rows are spelt out.
+            for first in (1..=n).step_by(MYSQL_ROWS_PER_INSERT as usize) {
+                let last = (first + MYSQL_ROWS_PER_INSERT - 1).min(n);
+                let rows: Vec<String> = (first..=last).map(|i| format!("('shop', 'sku-1', 'old-{i}', {at})")).collect();
+                self.execute(&format!(
+                    "INSERT INTO redis_settled (tenant_id, resource_key, request_id, at) VALUES {}",
+                    rows.join(", ")
+                ))
+                .await;
+            }
+            return;
+        }
+        self.execute(&format!(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {n})
+             INSERT INTO redis_settled (tenant_id, resource_key, request_id, at)
+             SELECT 'shop', 'sku-1', 'old-' || i, {at} FROM n"
+        ))
+        .await;
     }
 
     async fn execute(&mut self, sql: &str) {
         let done = match self {
             Db::Sqlite(conn) => sqlx::query(sql).execute(conn).await.map(|_| ()),
             Db::Postgres(conn) => sqlx::query(sql).execute(conn).await.map(|_| ()),
+            Db::Mysql(conn) => sqlx::query(sql).execute(conn).await.map(|_| ()),
         };
         done.unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
@@ -48,6 +78,7 @@ impl Db {
         let n: Result<(i64,), _> = match self {
             Db::Sqlite(conn) => sqlx::query_as(sql).fetch_one(conn).await,
             Db::Postgres(conn) => sqlx::query_as(sql).fetch_one(conn).await,
+            Db::Mysql(conn) => sqlx::query_as(sql).fetch_one(conn).await,
         };
         n.unwrap_or_else(|e| panic!("{sql}: {e}")).0
     }
@@ -77,13 +108,7 @@ async fn settled_ids_and_settlement_failures_past_their_retention_are_purged() {
     .await;
     let mut db = Db::connect(&app).await;
     let now = now_ms();
-    db.execute(&format!(
-        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 12000)
-         INSERT INTO redis_settled (tenant_id, resource_key, request_id, at)
-         SELECT 'shop', 'sku-1', 'old-' || i, {} FROM n",
-        now - 2 * HOUR_MS
-    ))
-    .await;
+    db.insert_settled_ids(12_000, now - 2 * HOUR_MS).await;
     db.execute(&format!(
         "INSERT INTO redis_settled (tenant_id, resource_key, request_id, at) VALUES ('shop', 'sku-1', 'young', {})",
         now - HOUR_MS / 6

@@ -304,7 +304,7 @@ async fn one_event_of_each_type(app: &TestApp, shop: &TenantClient) -> BTreeSet<
     shop.get("/v1/reconciliation").await.expect_json(200);
     tamper(
         app.database_url(),
-        &["UPDATE resources SET available = available + 1, total = total + 1 WHERE tenant_id = 'shop' AND key = 'sku-d'"],
+        &["UPDATE resources SET available = available + 1, total = total + 1 WHERE tenant_id = 'shop' AND \"key\" = 'sku-d'"],
     )
     .await;
     shop.get("/v1/reconciliation").await.expect_json(200);
@@ -315,7 +315,7 @@ async fn one_event_of_each_type(app: &TestApp, shop: &TenantClient) -> BTreeSet<
     create_redis_resource(shop, "flash", 3).await;
     tamper(
         app.database_url(),
-        &["UPDATE resources SET available = 0, total = reserved + consumed WHERE tenant_id = 'shop' AND key = 'flash'"],
+        &["UPDATE resources SET available = 0, total = reserved + consumed WHERE tenant_id = 'shop' AND \"key\" = 'flash'"],
     )
     .await;
     order_through_503(shop, "ord-6", &deduct_one("ORD-6", "flash", 1, None)).await.expect_json(201);

@@ -8,3 +8,4 @@
 mod database;
 mod harness;
 mod pg;
+mod process;

@@ -5,13 +5,13 @@
 //! as the unprivileged `postgres` OS user (which the postgresql package creates) via `runuser`;
 //! otherwise it runs as the current user.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Output, Stdio};
-use std::time::Duration;
 
 use tempfile::TempDir;
 use tokio::process::Command;
+
+use crate::process::{describe, free_port, output_bounded, read_log, run_checked, running_as_root};
 
 /// Where Debian/Ubuntu install the server binaries, one directory per major version.
 const PG_LIB_DIR: &str = "/usr/lib/postgresql";
@@ -19,8 +19,6 @@ const PG_LIB_DIR: &str = "/usr/lib/postgresql";
 const PG_OS_USER: &str = "postgres";
 /// Attempts at starting on a free port (another process may take the port we picked first).
 const START_ATTEMPTS: usize = 5;
-/// Bound on `initdb`, `pg_ctl start` and `pg_ctl stop`.
-const PG_CTL_TIMEOUT: Duration = Duration::from_secs(60);
 /// Seconds `pg_ctl -w` waits for the server before it gives up (passed as `-t`).
 const PG_CTL_WAIT_SECONDS: &str = "50";
 
@@ -121,7 +119,7 @@ impl ThrowawayPg {
 
     /// The server's log so far, for failure messages.
     pub fn server_log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_else(|e| format!("(no server log: {e})"))
+        read_log(&self.log_path())
     }
 }
 
@@ -169,41 +167,4 @@ fn pg_bin_dir() -> PathBuf {
              their own throwaway PostgreSQL; install the `postgresql` package"
         ),
     }
-}
-
-fn running_as_root() -> bool {
-    // /proc/self/status: `Uid:\treal\teffective\tsaved\tfs`.
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status is readable on Linux");
-    let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|ids| ids.split_whitespace().nth(1));
-    uid == Some("0")
-}
-
-/// A port nobody listens on right now (the OS picks it; we release it for the server).
-fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("a local port can be bound");
-    listener.local_addr().expect("a bound socket has an address").port()
-}
-
-async fn run_checked(command: &mut Command, what: &str) {
-    let out = output_bounded(command.stdin(Stdio::null())).await;
-    assert!(out.status.success(), "{what} failed:\n{}", describe(&out));
-}
-
-fn describe(out: &Output) -> String {
-    format!(
-        "status {}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// `output()` with a deadline, so a wedged `pg_ctl` fails the test instead of hanging it.
-async fn output_bounded(command: &mut Command) -> Output {
-    let std = command.as_std();
-    let program = format!("{:?} {:?}", std.get_program(), std.get_args().collect::<Vec<_>>());
-    tokio::time::timeout(PG_CTL_TIMEOUT, command.output())
-        .await
-        .unwrap_or_else(|_| panic!("{program} did not finish within {PG_CTL_TIMEOUT:?}"))
-        .unwrap_or_else(|e| panic!("{program} could not be run: {e}"))
 }
