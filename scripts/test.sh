@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Runs every check and test stockd has: formatting, lints, unit tests, and the black-box HTTP
-# suite against the real server binary on each storage backend (SQLite, then PostgreSQL).
+# suite against the real server binary on each storage backend (SQLite, then PostgreSQL, then
+# MySQL on MariaDB), and the fault tests on a throwaway PostgreSQL and a throwaway MariaDB.
 # This is the README's test command and exactly what CI runs. It starts PostgreSQL when none
-# answers on 127.0.0.1:5432, Redis when none answers on 127.0.0.1:6379 and NATS with JetStream
-# when none answers on 127.0.0.1:4222, installing each from Debian's packages if it is missing.
+# answers on 127.0.0.1:5432, MariaDB when none answers on 127.0.0.1:3306, Redis when none
+# answers on 127.0.0.1:6379 and NATS with JetStream when none answers on 127.0.0.1:4222,
+# installing each from Debian's packages if it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Builds stay warm across fresh clones when the target directory lives outside the clone.
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/stockd-target}"
 export CARGO_TERM_COLOR=never
-# The suite creates (and drops) one database per test on this server.
+# The suite creates (and drops) one database per test on these servers.
 export STOCKD_TEST_PG_URL="${STOCKD_TEST_PG_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
+export STOCKD_TEST_MYSQL_URL="${STOCKD_TEST_MYSQL_URL:-mysql://root@127.0.0.1:3306/mysql}"
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
@@ -32,6 +35,38 @@ ensure_postgres() {
   answers 5432 || { echo "PostgreSQL did not start" >&2; exit 1; }
   # A fresh Debian install authenticates TCP clients by password: give the suite one.
   as_root su postgres -c "psql -qc \"ALTER USER postgres PASSWORD 'postgres'\""
+}
+
+# MariaDB for the MySQL pass (one database per test, on STOCKD_TEST_MYSQL_URL) and for the fault
+# tests, which run their own throwaway mariadbd from the same package.
+mariadb_root_over_tcp() { mariadb --protocol=tcp -h 127.0.0.1 -P 3306 -u root -e 'SELECT 1' >/dev/null 2>&1; }
+
+ensure_mariadb() {
+  [ -x /usr/sbin/mariadbd ] && command -v mariadb-install-db >/dev/null 2>&1 || {
+    echo "== installing mariadb-server"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mariadb-server >/dev/null
+  }
+  [ -x /usr/sbin/mariadbd ] || { echo "mariadb-server could not be installed" >&2; exit 1; }
+  if ! answers 3306; then
+    echo "== starting MariaDB (none answers on 127.0.0.1:3306)"
+    # What Debian's init script runs, without its wait on /etc/mysql/debian.cnf, which not
+    # every install has. The package's configuration makes it listen on 127.0.0.1:3306.
+    local log="${TMPDIR:-/tmp}/stockd-mariadbd-safe.log"
+    as_root install -d -m 755 -o mysql -g root /run/mysqld
+    as_root setsid nohup mariadbd-safe >"$log" 2>&1 </dev/null &
+    for _ in $(seq 1 120); do answers 3306 && break; sleep 0.5; done
+    answers 3306 || { echo "MariaDB did not start on 127.0.0.1:3306 (see $log and its error log)" >&2; exit 1; }
+  fi
+  mariadb_root_over_tcp && return 0
+  # A fresh Debian install lets root in through the unix socket only: let the suite's URL in
+  # too (root without a password, over TCP from this machine), keeping the socket login.
+  echo "== letting root connect to MariaDB over TCP from 127.0.0.1 without a password"
+  as_root mariadb --protocol=socket -u root -e "
+    ALTER USER 'root'@'localhost' IDENTIFIED VIA unix_socket OR mysql_native_password USING PASSWORD('');
+    CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY '';
+    GRANT ALL PRIVILEGES ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;"
+  mariadb_root_over_tcp || { echo "root cannot connect to MariaDB on 127.0.0.1:3306" >&2; exit 1; }
 }
 
 # Redis for the redis-mode tests (tests that stop or restart Redis start their own
@@ -73,6 +108,7 @@ ensure_nats() {
 }
 
 ensure_postgres
+ensure_mariadb
 ensure_redis
 ensure_nats
 export STOCKD_TEST_REDIS_URL="${STOCKD_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
@@ -84,8 +120,11 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --locked -- -D warnings
 
-echo "== cargo test (unit tests; HTTP suite on SQLite; fault tests; model check, see docs/TESTING.md)"
+echo "== cargo test (unit tests; HTTP suite on SQLite; fault tests on PostgreSQL; model check, see docs/TESTING.md)"
 cargo test --all-targets --locked
 
 echo "== cargo test (HTTP suite on PostgreSQL)"
 STOCKD_TEST_BACKEND=postgres cargo test --test api --locked
+
+echo "== cargo test (HTTP suite on MySQL, on MariaDB; fault tests on MariaDB)"
+STOCKD_TEST_BACKEND=mysql cargo test --test api --test faults --locked

@@ -4,8 +4,8 @@
 //! its own temporary directory and talks HTTP to it, exactly like a client would. All API tests
 //! compile into this one test binary so the (large) server crate is linked once.
 //!
-//! The storage backend is chosen in one place, `helpers::Backend` (env `STOCKD_TEST_BACKEND`,
-//! default `sqlite`), so the same suite runs against every backend.
+//! The storage backend is chosen in one place, `helpers::Backend` (env `STOCKD_TEST_BACKEND`:
+//! `sqlite`, the default, `postgres` or `mysql`), so the same suite runs against every backend.
 
 mod bench;
 mod bombs;

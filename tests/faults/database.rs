@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::harness::{order_ids_with_op, random_hex_32, send, try_send, Api, Reply, Stockd};
-use crate::pg::ThrowawayPg;
+use crate::throwaway::ThrowawayDb;
 
 /// Short pool and retry settings, so requests in the gap are answered quickly.
 const CONFIG: &str = "[database]\nacquire_timeout_ms = 1000\nmax_retries = 2";
@@ -53,19 +53,19 @@ struct Setup {
     /// Declared first: the processes are killed before the database is stopped.
     procs: Vec<Stockd>,
     shops: Vec<Api>,
-    pg: ThrowawayPg,
+    db: ThrowawayDb,
 }
 
 async fn setup(processes: usize) -> Setup {
-    let pg = ThrowawayPg::start_new().await;
+    let db = ThrowawayDb::start_new().await;
     let admin_token = random_hex_32();
     let mut procs = Vec::new();
     for _ in 0..processes {
-        procs.push(Stockd::start(&pg.url(), &admin_token, CONFIG).await);
+        procs.push(Stockd::start(&db.url(), &admin_token, CONFIG).await);
     }
     let api_key = procs[0].client(&admin_token).create_tenant("shop").await;
     let shops = procs.iter().map(|p| p.client(&api_key)).collect();
-    Setup { procs, shops, pg }
+    Setup { procs, shops, db }
 }
 
 impl Setup {
@@ -75,7 +75,7 @@ impl Setup {
         for (i, proc) in self.procs.iter().enumerate() {
             out.push_str(&format!("--- stockd process {i} ({}) ---\n{}\n", proc.addr, tail(&proc.logs())));
         }
-        out.push_str(&format!("--- PostgreSQL log ---\n{}", tail(&self.pg.server_log())));
+        out.push_str(&format!("--- {} log ---\n{}", self.db.name(), tail(&self.db.server_log())));
         out
     }
 
@@ -241,9 +241,9 @@ where
     }
 }
 
-/// Proves: with two processes under load from 8 careful clients, stopping PostgreSQL makes
+/// Proves: with two processes under load from 8 careful clients, stopping the database makes
 /// requests answer `503 unavailable` (problem+json, `Retry-After`) and `/readyz` answer 503,
-/// never any other 5xx or a dropped connection; once PostgreSQL is started again both
+/// never any other 5xx or a dropped connection; once the database is started again both
 /// processes, never restarted, answer 201 and are ready again; and afterwards every
 /// acknowledged order is in both resources' ledgers exactly once (none half-applied), replays
 /// its 201, keys that were never acknowledged are either absent or present once, and
@@ -272,7 +272,7 @@ async fn database_stopped_under_load_answers_503_and_recovers_without_restart() 
     let acks_before_stop = load.acks();
 
     // The database goes away; the load goes on.
-    setup.pg.stop().await;
+    setup.db.stop().await;
     let stopped = Instant::now();
     for (i, reply) in setup.await_readyz(503, UNAVAILABLE_DEADLINE).await.iter().enumerate() {
         assert_eq!(reply.unavailable_violation(), None, "/readyz of process {i} while the database is down");
@@ -284,7 +284,7 @@ async fn database_stopped_under_load_answers_503_and_recovers_without_restart() 
     let unavailable_in_gap = load.unavailable.load(Ordering::SeqCst);
 
     // The database comes back: each process answers a new order with 201, on its own.
-    setup.pg.start().await;
+    setup.db.start().await;
     for (process, shop) in setup.shops.iter().enumerate() {
         let probe = tokio::time::timeout(
             RECOVERY_DEADLINE,
@@ -451,7 +451,7 @@ async fn database_down_at_request_time_applies_nothing() {
         ]
     };
 
-    setup.pg.stop().await;
+    setup.db.stop().await;
     setup.await_readyz(503, UNAVAILABLE_DEADLINE).await;
     assert_eq!(send(shop.request(reqwest::Method::GET, "/healthz")).await.status(), 200, "the process stays alive");
     for round in 1..=2 {
@@ -476,7 +476,7 @@ async fn database_down_at_request_time_applies_nothing() {
         }
     }
 
-    setup.pg.start().await;
+    setup.db.start().await;
     setup.await_readyz(200, RECOVERY_DEADLINE).await;
     setup.assert_processes_running();
 

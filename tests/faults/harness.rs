@@ -183,7 +183,10 @@ impl Reply {
             "problem `status` field is not 503"
         } else if self.retry_after_seconds().is_none() {
             "no numeric Retry-After header"
-        } else if ["select", "insert", "postgres", "sqlx", "panicked"].iter().any(|n| lower.contains(n)) {
+        } else if ["select", "insert", "postgres", "mysql", "mariadb", "sqlx", "panicked"]
+            .iter()
+            .any(|n| lower.contains(n))
+        {
             "body leaks internals"
         } else {
             return None;
