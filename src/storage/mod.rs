@@ -3,6 +3,8 @@
 //! the same transaction, legal reservation moves) are the same everywhere and are proven by one
 //! integration suite run against every backend.
 
+pub(crate) mod batcher;
+pub(crate) mod held_events;
 pub mod mysql;
 pub mod postgres;
 pub mod redis_store;
@@ -70,8 +72,9 @@ impl From<sqlx::Error> for StorageError {
 /// read-only server (1290, 1836, 1792: a failover in progress), statement timeouts (1969
 /// MariaDB, 3024 MySQL), lost connection (2006, 2013). SQLSTATEs alone cannot tell: 1205 is HY000.
 fn is_transient_mysql(db: &dyn sqlx::error::DatabaseError) -> bool {
-    db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-        .is_some_and(|e| matches!(e.number(), 1205 | 1213 | 1040 | 1053 | 1927 | 1290 | 1836 | 1792 | 1969 | 3024 | 2006 | 2013))
+    db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|e| {
+        matches!(e.number(), 1205 | 1213 | 1040 | 1053 | 1927 | 1290 | 1836 | 1792 | 1969 | 3024 | 2006 | 2013)
+    })
 }
 
 /// Database error codes that mean "try again later" rather than "this is a bug".

@@ -1,61 +1,20 @@
-//! The outbox on MySQL: numbering a transaction's events at its end, and reading the feed.
-//!
-//! A job's events are held by its batch attempt ([`WRITTEN`]), in the order emitted; a job rolled
-//! back to its savepoint takes its own back. Just before COMMIT the batcher inserts what is left,
-//! numbered, in one statement: it bumps each tenant's `event_seqs` row by its count and holds that
-//! row until the commit. A tenant's next transaction waits there, so its events commit in
-//! sequence order and a reader paging `seq > after` never misses one that commits later with a
-//! lower number. The row is taken after every resource row the transaction locks, so no lock
-//! cycle runs through it.
-//!
-//! Held rather than inserted unnumbered and numbered at the end, as on PostgreSQL: one write of
-//! each event row.
+//! The outbox on MySQL: numbering a batch attempt's held events at its end
+//! ([`crate::storage::held_events`]) in three statements, and reading the feed.
 
-use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 
 use sqlx::{MySqlConnection, Row};
 
-use crate::events::{new_event_id, Event, NewEvent};
+use crate::events::Event;
+use crate::storage::held_events;
 use crate::storage::rows::Columns;
 use crate::storage::StorageError;
-
-/// An event of the batch attempt, its id made when it was emitted (ids sort in the order made).
-#[derive(Debug)]
-pub(super) struct Held {
-    id: String,
-    event: NewEvent,
-}
-
-tokio::task_local! {
-    /// The events a batch attempt emitted so far, in the order emitted: what [`seal`] inserts.
-    /// A job rolled back to its savepoint takes its own back ([`rollback_to`]).
-    pub(super) static WRITTEN: RefCell<Vec<Held>>;
-}
-
-/// Holds events the current batch attempt emitted (in its transaction) until [`seal`].
-pub(super) fn hold(events: &[NewEvent]) -> Result<(), StorageError> {
-    WRITTEN
-        .try_with(|w| w.borrow_mut().extend(events.iter().map(|e| Held { id: new_event_id(), event: e.clone() })))
-        .map_err(|_| StorageError::Internal("an event was written outside a batch".into()))
-}
-
-/// Where the attempt's events stand (before a job's savepoint).
-pub(super) fn mark() -> usize {
-    WRITTEN.try_with(|w| w.borrow().len()).unwrap_or(0)
-}
-
-/// Forgets the events written since `mark` (their savepoint rolled back).
-pub(super) fn rollback_to(mark: usize) {
-    let _ = WRITTEN.try_with(|w| w.borrow_mut().truncate(mark));
-}
 
 /// Inserts the events the attempt emitted, numbered in the order emitted, and returns their
 /// types: each tenant's sequence is bumped by its count (tenants in one order, so two sealing
 /// transactions never wait on each other in a cycle).
-pub(super) async fn seal(conn: &mut MySqlConnection) -> Result<Vec<String>, sqlx::Error> {
-    // Taken: a seal that fails fails its attempt, and a rerun starts from an empty list.
-    let held = WRITTEN.try_with(|w| std::mem::take(&mut *w.borrow_mut())).unwrap_or_default();
+pub(crate) async fn seal(conn: &mut MySqlConnection) -> Result<Vec<String>, sqlx::Error> {
+    let held = held_events::take();
     if held.is_empty() {
         return Ok(Vec::new());
     }
@@ -74,7 +33,8 @@ pub(super) async fn seal(conn: &mut MySqlConnection) -> Result<Vec<String>, sqlx
     }
     bump.execute(&mut *conn).await?;
     // READ COMMITTED: this reads the rows as this transaction left them, locked by it.
-    let sql = format!("SELECT tenant_id, last FROM event_seqs WHERE tenant_id IN ({})", vec!["?"; counts.len()].join(", "));
+    let sql =
+        format!("SELECT tenant_id, last FROM event_seqs WHERE tenant_id IN ({})", vec!["?"; counts.len()].join(", "));
     let mut read = sqlx::query(&sql);
     for tenant in counts.keys() {
         read = read.bind(*tenant);

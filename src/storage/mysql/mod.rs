@@ -26,14 +26,29 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::pool::PoolConnection;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::pool::PoolConnection;
 use sqlx::MySqlConnection;
 use sqlx::{ConnectOptions, Connection, MySql};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use self::batcher::{run_batcher, work, LockSet, Pending, PendingMove, PendingOrder, Queued, Work, ATTEMPT_DEADLINE};
+use self::batcher::My;
+use super::batcher::{run_batcher, LockSet, Pending, PendingMove, PendingOrder, Queued, ATTEMPT_DEADLINE};
+
+/// A write of this backend's batcher.
+type Work<T> = super::batcher::Work<My, T>;
+
+/// Helps type inference see a closure as a [`Work`] (the higher-ranked lifetime needs a hint).
+pub(super) fn work<T, F>(f: F) -> Work<T>
+where
+    F: for<'c> Fn(&'c mut MySqlConnection) -> futures::future::BoxFuture<'c, Result<T, StorageError>>
+        + Send
+        + Sync
+        + 'static,
+{
+    Box::new(f)
+}
 use self::port::MyPort;
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
@@ -76,7 +91,7 @@ pub struct MySettings {
 pub struct MyStorage {
     pool: MySqlPool,
     /// Taken by `close`, which makes the batcher drain its queue and stop.
-    queue: Mutex<Option<mpsc::Sender<Box<dyn Queued>>>>,
+    queue: Mutex<Option<mpsc::Sender<Box<dyn Queued<My>>>>>,
     batcher: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -151,7 +166,7 @@ impl MyStorage {
         Ok(())
     }
 
-    fn queue(&self) -> Result<mpsc::Sender<Box<dyn Queued>>, StorageError> {
+    fn queue(&self) -> Result<mpsc::Sender<Box<dyn Queued<My>>>, StorageError> {
         self.queue
             .lock()
             .map_err(|_| StorageError::Internal("batcher handle poisoned".into()))?
@@ -165,14 +180,14 @@ impl MyStorage {
     /// it can (see the batcher).
     async fn submit_move(&self, job: MoveJob, now_ms: i64) -> Result<Transition, StorageError> {
         let (reply, rx) = oneshot::channel();
-        let queued: Box<dyn Queued> = Box::new(PendingMove { job, now_ms, admitted: false, result: None, reply });
+        let queued: Box<dyn Queued<My>> = Box::new(PendingMove::new(job, now_ms, reply));
         self.queue()?.send(queued).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }
 
     async fn submit<T: Send + 'static>(&self, locks: LockSet, work: Work<T>) -> Result<T, StorageError> {
         let (tx, rx) = oneshot::channel();
-        let job: Box<dyn Queued> = Box::new(Pending { locks, work, result: None, reply: tx });
+        let job: Box<dyn Queued<My>> = Box::new(Pending { locks, work, result: None, reply: tx });
         self.queue()?.send(job).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }
@@ -432,7 +447,7 @@ impl Storage for MyStorage {
     async fn execute_order(&self, job: Arc<OrderJob>, now_ms: i64) -> Result<OrderExecution, StorageError> {
         // Its resource rows are declared by the order itself (see `declared_rows`).
         let (reply, rx) = oneshot::channel();
-        let order = PendingOrder { job, now_ms, admitted: false, result: None, reply };
+        let order: PendingOrder<My> = PendingOrder::new(job, now_ms, reply);
         self.queue()?.send(Box::new(order)).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }
@@ -586,10 +601,10 @@ impl Storage for MyStorage {
         // Outside the batcher: deleting old, committed events contends with no write.
         // MySQL deletes in index order with a LIMIT of its own (no LIMIT inside IN here).
         let done = sqlx::query("DELETE FROM events WHERE at < ? AND seq IS NOT NULL ORDER BY at LIMIT ?")
-        .bind(before_ms)
-        .bind(i64::from(limit))
-        .execute(&self.pool)
-        .await?;
+            .bind(before_ms)
+            .bind(i64::from(limit))
+            .execute(&self.pool)
+            .await?;
         Ok(done.rows_affected())
     }
 

@@ -157,10 +157,11 @@ pub async fn save_plugin(
     now_ms: i64,
 ) -> Result<PluginVersion, StorageError> {
     sqlx::query("SELECT 1 FROM tenants WHERE id = ? FOR UPDATE").bind(tenant.as_str()).execute(&mut *conn).await?;
-    let version: i64 = sqlx::query_scalar("SELECT CAST(COALESCE(MAX(version), 0) + 1 AS SIGNED) FROM plugins WHERE tenant_id = ?")
-        .bind(tenant.as_str())
-        .fetch_one(&mut *conn)
-        .await?;
+    let version: i64 =
+        sqlx::query_scalar("SELECT CAST(COALESCE(MAX(version), 0) + 1 AS SIGNED) FROM plugins WHERE tenant_id = ?")
+            .bind(tenant.as_str())
+            .fetch_one(&mut *conn)
+            .await?;
     sqlx::query(
         "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at) VALUES (?, ?, ?, ?, ?, ?)",
     )
@@ -227,7 +228,10 @@ pub async fn activate_plugin(
         }));
     }
     // Waits for an upload of this tenant in flight, so the version is not one it is pruning.
-    sqlx::query("SELECT 1 FROM tenants WHERE id = ? LOCK IN SHARE MODE").bind(tenant.as_str()).execute(&mut *conn).await?;
+    sqlx::query("SELECT 1 FROM tenants WHERE id = ? LOCK IN SHARE MODE")
+        .bind(tenant.as_str())
+        .execute(&mut *conn)
+        .await?;
     let found = sqlx::query("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = ? AND version = ?")
         .bind(tenant.as_str())
         .bind(version)

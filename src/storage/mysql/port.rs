@@ -90,7 +90,8 @@ fn change_sql(row: Row, how: Move, gate: Gate) -> String {
 pub fn locked_rows(rows: &[MySqlRow]) -> Result<LockedRows, StorageError> {
     let mut locked = LockedRows::new();
     for row in rows {
-        let (kind, status, mode, stock) = (row.text("kind")?, row.text("status")?, row.text("mode")?, row.text("stock")?);
+        let (kind, status, mode, stock) =
+            (row.text("kind")?, row.text("status")?, row.text("mode")?, row.text("stock")?);
         let parsed = AdmissionRow {
             kind: Kind::from_db(&kind).ok_or_else(|| corrupt("resources.kind"))?,
             active: status == ResourceStatus::Active.as_str(),
@@ -225,10 +226,7 @@ impl<'c> MyPort<'c> {
         &mut self,
         sql: &'a str,
         items: &'a [T],
-        bind: impl Fn(
-            sqlx::query::Query<'a, MySql, MySqlArguments>,
-            &'a T,
-        ) -> sqlx::query::Query<'a, MySql, MySqlArguments>,
+        bind: impl Fn(sqlx::query::Query<'a, MySql, MySqlArguments>, &'a T) -> sqlx::query::Query<'a, MySql, MySqlArguments>,
     ) -> Result<u64, StorageError> {
         if items.is_empty() {
             return Ok(0);
@@ -364,13 +362,12 @@ impl Port for MyPort<'_> {
             Row::Bucket(b) => b,
         };
         let sixth = match (change.row, change.how, change.gate) {
-            (Row::Resource, Move::Deduct | Move::Reserve, Gate::Order { kind }) => {
-                Arg::OptText(kind.map(Kind::as_str))
-            }
+            (Row::Resource, Move::Deduct | Move::Reserve, Gate::Order { kind }) => Arg::OptText(kind.map(Kind::as_str)),
             (Row::Resource, Move::Adjust, _) => Arg::Int(MAX_TOTAL),
             _ => Arg::OptText(None),
         };
-        let args = [Arg::Int(e.qty), Arg::Int(e.at), Arg::Text(e.tenant), Arg::Text(e.resource), Arg::Int(bucket), sixth];
+        let args =
+            [Arg::Int(e.qty), Arg::Int(e.at), Arg::Text(e.tenant), Arg::Text(e.resource), Arg::Int(bucket), sixth];
         if self.run(&change_sql(change.row, change.how, change.gate), &args).await? != 1 {
             return Ok(None);
         }
@@ -499,7 +496,7 @@ impl Port for MyPort<'_> {
             numbered.len(),
         );
         self.insert_many(&sql, &numbered, |q, (b, s)| {
-                q.bind(e.tenant).bind(e.resource).bind(*b).bind(*s).bind(*s).bind(0i64).bind(0i64).bind(1i64).bind(e.at)
+            q.bind(e.tenant).bind(e.resource).bind(*b).bind(*s).bind(*s).bind(0i64).bind(0i64).bind(1i64).bind(e.at)
         })
         .await?;
         let sql = many(LEDGER_INSERT, 17, numbered.len());
@@ -552,7 +549,11 @@ impl Port for MyPort<'_> {
         .map(|row| Ok((row.text("tenant_id")?, row.text("resource_key")?)))
         .collect::<Result<Vec<_>, StorageError>>()?;
         let locked = lock_resources(self.conn, &candidates, true).await?;
-        locked.iter().filter(|row| row.int("buckets").unwrap_or(1) > 1).map(|row| Ok((row.text("tenant_id")?, row.text("key")?))).collect()
+        locked
+            .iter()
+            .filter(|row| row.int("buckets").unwrap_or(1) > 1)
+            .map(|row| Ok((row.text("tenant_id")?, row.text("key")?)))
+            .collect()
     }
 
     /// The limit's row moves only while `used + qty <= max`; a key seen for the first time is
@@ -683,15 +684,16 @@ impl Port for MyPort<'_> {
         request_id: &str,
         now_ms: i64,
     ) -> Result<bool, StorageError> {
-        let claimed =
-            sqlx::query("INSERT IGNORE INTO redis_settled (tenant_id, resource_key, request_id, at) VALUES (?, ?, ?, ?)")
-                .bind(tenant)
-                .bind(key)
-                .bind(request_id)
-                .bind(now_ms)
-                .execute(&mut *self.conn)
-                .await?
-                .rows_affected();
+        let claimed = sqlx::query(
+            "INSERT IGNORE INTO redis_settled (tenant_id, resource_key, request_id, at) VALUES (?, ?, ?, ?)",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(request_id)
+        .bind(now_ms)
+        .execute(&mut *self.conn)
+        .await?
+        .rows_affected();
         Ok(claimed == 1)
     }
 
@@ -842,20 +844,16 @@ impl Port for MyPort<'_> {
             w.reservations.len(),
         );
         let held = self
-            .insert_many(
-                &sql,
-                &w.reservations,
-                |q, x| {
-                    q.bind(&x.tenant)
-                        .bind(&x.id)
-                        .bind(&x.order_id)
-                        .bind("held")
-                        .bind(&x.lines)
-                        .bind(x.expires_at)
-                        .bind(x.created_at)
-                        .bind(x.created_at)
-                },
-            )
+            .insert_many(&sql, &w.reservations, |q, x| {
+                q.bind(&x.tenant)
+                    .bind(&x.id)
+                    .bind(&x.order_id)
+                    .bind("held")
+                    .bind(&x.lines)
+                    .bind(x.expires_at)
+                    .bind(x.created_at)
+                    .bind(x.created_at)
+            })
             .await?;
         let mut moved = 0;
         for m in &w.moves {
@@ -878,19 +876,15 @@ impl Port for MyPort<'_> {
             w.outcomes.len(),
         );
         let answered = self
-            .insert_many(
-                &sql,
-                &w.outcomes,
-                |q, x| {
-                    q.bind(&x.tenant)
-                        .bind(&x.key)
-                        .bind(&x.request_hash)
-                        .bind(i32::from(x.response.status))
-                        .bind(x.response.content_type.as_str())
-                        .bind(&x.response.body)
-                        .bind(x.at)
-                },
-            )
+            .insert_many(&sql, &w.outcomes, |q, x| {
+                q.bind(&x.tenant)
+                    .bind(&x.key)
+                    .bind(&x.request_hash)
+                    .bind(i32::from(x.response.status))
+                    .bind(x.response.content_type.as_str())
+                    .bind(&x.response.body)
+                    .bind(x.at)
+            })
             .await?;
         if answered != w.outcomes.len() as u64 {
             // Another transaction used one of the keys first, after `claim_keys` read them: its
@@ -912,13 +906,13 @@ impl Port for MyPort<'_> {
                 return Err(StorageError::Internal(format!("batch admission wrote {name} {got} times, not {want}")));
             }
         }
-        super::events::hold(&w.events)
+        crate::storage::held_events::hold(&w.events)
     }
 
     /// Held by the batch attempt until just before its COMMIT, when the batcher inserts them
     /// numbered ([`super::events::seal`]), so a tenant's events commit in sequence order.
     async fn emit(&mut self, e: &NewEvent) -> Result<(), StorageError> {
-        super::events::hold(std::slice::from_ref(e))
+        crate::storage::held_events::hold(std::slice::from_ref(e))
     }
 
     async fn stock(&mut self, tenant: &str, key: &str) -> Result<Option<Stock>, StorageError> {
@@ -970,8 +964,9 @@ impl Port for MyPort<'_> {
         order_id: &str,
         limit: u32,
     ) -> Result<Vec<OrderEntries>, StorageError> {
-        let rows =
-            self.rows(rows::ORDER_ENTRIES_SQL, &[Arg::Text(tenant), Arg::Text(order_id), Arg::Int(i64::from(limit))]).await?;
+        let rows = self
+            .rows(rows::ORDER_ENTRIES_SQL, &[Arg::Text(tenant), Arg::Text(order_id), Arg::Int(i64::from(limit))])
+            .await?;
         rows.iter().map(|row| rows::order_entries(row)).collect()
     }
 
@@ -989,7 +984,8 @@ impl Port for MyPort<'_> {
         now_ms: i64,
     ) -> Result<bool, StorageError> {
         // MySQL assigns left to right: `taken` is raised first; the WHERE is judged before either.
-        let guarded = "UPDATE order_reversals SET taken = GREATEST(taken, $5), reversed = reversed + $6, updated_at = $7
+        let guarded =
+            "UPDATE order_reversals SET taken = GREATEST(taken, $5), reversed = reversed + $6, updated_at = $7
              WHERE tenant_id = $1 AND order_id = $2 AND resource_key = $3 AND bucket = $4
                AND reversed + $6 <= GREATEST(taken, $5)";
         let args = [
@@ -1086,7 +1082,8 @@ impl Reads for MyPort<'_> {
             "SELECT {RESOURCE_COLUMNS} FROM resources
              WHERE tenant_id = $1 AND key >= $2 AND key < $3 AND key > $4 ORDER BY key LIMIT $5"
         );
-        let args = [Arg::Text(tenant), Arg::Text(prefix), Arg::Text(&upper), Arg::Text(after), Arg::Int(i64::from(limit))];
+        let args =
+            [Arg::Text(tenant), Arg::Text(prefix), Arg::Text(&upper), Arg::Text(after), Arg::Int(i64::from(limit))];
         let rows = self.rows(&sql, &args).await?;
         rows.iter().map(|row| rows::resource(row)).collect()
     }

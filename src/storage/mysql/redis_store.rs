@@ -6,15 +6,14 @@
 
 use async_trait::async_trait;
 
-use super::batcher::work;
 use super::port::MyPort;
-use super::{acquire, MyStorage};
+use super::sql::{bind_all, translate, Arg};
+use super::{acquire, work, MyStorage};
 use crate::engine::{ResourceKey, TenantId};
 use crate::storage::redis_store::{
     parse_pair, DeadLetter, RedisStore, SettleRecord, Settled, SettlementFailure, SettlementTable, DEAD_LETTERS_SQL,
     FAILURES_SQL, LEAVE_REDIS_SQL, LIMIT_SEED_SQL, REDIS_RESOURCES_SQL, TAKE_EPOCH_SQL,
 };
-use super::sql::{bind_all, translate, Arg};
 use crate::storage::rows::{self, Columns};
 use crate::storage::StorageError;
 
@@ -52,11 +51,13 @@ impl RedisStore for MyStorage {
                     if bind_all(&sql, &args).execute(&mut *conn).await?.rows_affected() != 1 {
                         return Ok(None);
                     }
-                    Ok(sqlx::query_scalar::<_, i64>("SELECT mode_epoch FROM resources WHERE tenant_id = ? AND `key` = ?")
-                        .bind(t.as_str())
-                        .bind(k.as_str())
-                        .fetch_optional(&mut *conn)
-                        .await?)
+                    Ok(sqlx::query_scalar::<_, i64>(
+                        "SELECT mode_epoch FROM resources WHERE tenant_id = ? AND `key` = ?",
+                    )
+                    .bind(t.as_str())
+                    .bind(k.as_str())
+                    .fetch_optional(&mut *conn)
+                    .await?)
                 })
             }),
         )
@@ -113,27 +114,29 @@ impl RedisStore for MyStorage {
              VALUES (?, ?, ?, ?, ?, ?)",
         )
         .bind(tenant)
-            .bind(&letter.key)
-            .bind(&letter.entry_id)
-            .bind(&letter.payload)
-            .bind(&letter.reason)
-            .bind(letter.at.0)
-            .execute(&mut *conn)
-            .await?;
+        .bind(&letter.key)
+        .bind(&letter.entry_id)
+        .bind(&letter.payload)
+        .bind(&letter.reason)
+        .bind(letter.at.0)
+        .execute(&mut *conn)
+        .await?;
         Ok(())
     }
 
     async fn dead_letters(&self, tenant: &TenantId, limit: u32) -> Result<Vec<DeadLetter>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
         let sql = translate(DEAD_LETTERS_SQL);
-        let rows = bind_all(&sql, &[Arg::Text(tenant.as_str()), Arg::Int(i64::from(limit))]).fetch_all(&mut *conn).await?;
+        let rows =
+            bind_all(&sql, &[Arg::Text(tenant.as_str()), Arg::Int(i64::from(limit))]).fetch_all(&mut *conn).await?;
         rows.iter().map(|row| rows::dead_letter(row)).collect()
     }
 
     async fn settlement_failures(&self, tenant: &TenantId, limit: u32) -> Result<Vec<SettlementFailure>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
         let sql = translate(FAILURES_SQL);
-        let rows = bind_all(&sql, &[Arg::Text(tenant.as_str()), Arg::Int(i64::from(limit))]).fetch_all(&mut *conn).await?;
+        let rows =
+            bind_all(&sql, &[Arg::Text(tenant.as_str()), Arg::Int(i64::from(limit))]).fetch_all(&mut *conn).await?;
         rows.iter().map(|row| rows::settlement_failure(row)).collect()
     }
 

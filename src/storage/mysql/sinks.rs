@@ -33,7 +33,10 @@ pub(super) async fn backlog(pool: &MySqlPool, sink: &str, max_tenants: u32) -> R
     .await?;
     let tenants = ids
         .iter()
-        .map(|row| TenantId::parse(row.text("tenant_id")?).map_err(|e| StorageError::Internal(format!("event_seqs.tenant_id: {e}"))))
+        .map(|row| {
+            TenantId::parse(row.text("tenant_id")?)
+                .map_err(|e| StorageError::Internal(format!("event_seqs.tenant_id: {e}")))
+        })
         .collect::<Result<_, _>>()?;
     let lag: i64 = sqlx::query_scalar(
         "SELECT CAST(COALESCE(SUM(s.last - COALESCE(c.last_seq, 0)), 0) AS SIGNED) FROM event_seqs s
@@ -50,13 +53,11 @@ pub(super) async fn backlog(pool: &MySqlPool, sink: &str, max_tenants: u32) -> R
 pub(super) async fn claim(pool: &MySqlPool, sink: &str, tenant: &TenantId) -> Result<Option<MyClaim>, StorageError> {
     // Created outside the claiming transaction: inserting it there would make a second process
     // wait on the first one's uncommitted row instead of skipping it.
-    sqlx::query(
-        "INSERT IGNORE INTO event_sink_cursors (sink, tenant_id, last_seq) VALUES (?, ?, 0)",
-    )
-    .bind(sink)
-    .bind(tenant.as_str())
-    .execute(pool)
-    .await?;
+    sqlx::query("INSERT IGNORE INTO event_sink_cursors (sink, tenant_id, last_seq) VALUES (?, ?, 0)")
+        .bind(sink)
+        .bind(tenant.as_str())
+        .execute(pool)
+        .await?;
     let mut tx = pool.begin().await?;
     let cursor: Option<i64> = sqlx::query_scalar(
         "SELECT last_seq FROM event_sink_cursors WHERE sink = ? AND tenant_id = ? FOR UPDATE SKIP LOCKED",
@@ -102,14 +103,12 @@ impl SinkClaim for MyClaim {
 
     async fn advance(self: Box<Self>, to: i64) -> Result<(), StorageError> {
         let MyClaim { mut tx, sink, tenant, .. } = *self;
-        sqlx::query(
-            "UPDATE event_sink_cursors SET last_seq = GREATEST(last_seq, ?) WHERE sink = ? AND tenant_id = ?",
-        )
-        .bind(to)
-        .bind(&sink)
-        .bind(tenant.as_str())
-        .execute(&mut *tx)
-        .await?;
+        sqlx::query("UPDATE event_sink_cursors SET last_seq = GREATEST(last_seq, ?) WHERE sink = ? AND tenant_id = ?")
+            .bind(to)
+            .bind(&sink)
+            .bind(tenant.as_str())
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok(())
     }

@@ -89,9 +89,13 @@ mod tests {
 
     #[test]
     fn placeholders_are_bound_in_order_of_appearance_and_reserved_names_quoted() {
-        let (sql, order) =
-            translate("SELECT used FROM user_limits WHERE tenant_id = $1 AND key = $2 OR (tenant_id = $1 AND 'key' = $3)");
-        assert_eq!(sql, "SELECT used FROM user_limits WHERE tenant_id = ? AND `key` = ? OR (tenant_id = ? AND 'key' = ?)");
+        let (sql, order) = translate(
+            "SELECT used FROM user_limits WHERE tenant_id = $1 AND key = $2 OR (tenant_id = $1 AND 'key' = $3)",
+        );
+        assert_eq!(
+            sql,
+            "SELECT used FROM user_limits WHERE tenant_id = ? AND `key` = ? OR (tenant_id = ? AND 'key' = ?)"
+        );
         assert_eq!(order, vec![0, 1, 0, 2]);
         assert_eq!(translate("SELECT r.key, lines, keys FROM x").0, "SELECT r.`key`, `lines`, keys FROM x");
     }

@@ -26,7 +26,22 @@ use sqlx::{ConnectOptions, Connection, Postgres};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use self::batcher::{run_batcher, work, LockSet, Pending, PendingMove, PendingOrder, Queued, Work, ATTEMPT_DEADLINE};
+use self::batcher::Pg;
+use super::batcher::{run_batcher, LockSet, Pending, PendingMove, PendingOrder, Queued, ATTEMPT_DEADLINE};
+
+/// A write of this backend's batcher.
+type Work<T> = super::batcher::Work<Pg, T>;
+
+/// Helps type inference see a closure as a [`Work`] (the higher-ranked lifetime needs a hint).
+pub(super) fn work<T, F>(f: F) -> Work<T>
+where
+    F: for<'c> Fn(&'c mut sqlx::PgConnection) -> futures::future::BoxFuture<'c, Result<T, StorageError>>
+        + Send
+        + Sync
+        + 'static,
+{
+    Box::new(f)
+}
 use self::port::PgPort;
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
@@ -69,7 +84,7 @@ pub struct PgSettings {
 pub struct PgStorage {
     pool: PgPool,
     /// Taken by `close`, which makes the batcher drain its queue and stop.
-    queue: Mutex<Option<mpsc::Sender<Box<dyn Queued>>>>,
+    queue: Mutex<Option<mpsc::Sender<Box<dyn Queued<Pg>>>>>,
     batcher: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -124,7 +139,7 @@ impl PgStorage {
         Ok(())
     }
 
-    fn queue(&self) -> Result<mpsc::Sender<Box<dyn Queued>>, StorageError> {
+    fn queue(&self) -> Result<mpsc::Sender<Box<dyn Queued<Pg>>>, StorageError> {
         self.queue
             .lock()
             .map_err(|_| StorageError::Internal("batcher handle poisoned".into()))?
@@ -138,14 +153,14 @@ impl PgStorage {
     /// it can (see the batcher).
     async fn submit_move(&self, job: MoveJob, now_ms: i64) -> Result<Transition, StorageError> {
         let (reply, rx) = oneshot::channel();
-        let queued: Box<dyn Queued> = Box::new(PendingMove { job, now_ms, admitted: false, result: None, reply });
+        let queued: Box<dyn Queued<Pg>> = Box::new(PendingMove::new(job, now_ms, reply));
         self.queue()?.send(queued).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }
 
     async fn submit<T: Send + 'static>(&self, locks: LockSet, work: Work<T>) -> Result<T, StorageError> {
         let (tx, rx) = oneshot::channel();
-        let job: Box<dyn Queued> = Box::new(Pending { locks, work, result: None, reply: tx });
+        let job: Box<dyn Queued<Pg>> = Box::new(Pending { locks, work, result: None, reply: tx });
         self.queue()?.send(job).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }
@@ -401,7 +416,7 @@ impl Storage for PgStorage {
     async fn execute_order(&self, job: Arc<OrderJob>, now_ms: i64) -> Result<OrderExecution, StorageError> {
         // Its resource rows are declared by the order itself (see `declared_rows`).
         let (reply, rx) = oneshot::channel();
-        let order = PendingOrder { job, now_ms, admitted: false, result: None, reply };
+        let order: PendingOrder<Pg> = PendingOrder::new(job, now_ms, reply);
         self.queue()?.send(Box::new(order)).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }

@@ -845,13 +845,13 @@ impl Port for PgPort<'_> {
                 )));
             }
         }
-        super::events::hold(ev)
+        crate::storage::held_events::hold(ev)
     }
 
     /// Held by the batch attempt until just before its COMMIT, when the batcher inserts them
     /// numbered ([`super::events::seal`]), so a tenant's events commit in sequence order.
     async fn emit(&mut self, e: &NewEvent) -> Result<(), StorageError> {
-        super::events::hold(std::slice::from_ref(e))
+        crate::storage::held_events::hold(std::slice::from_ref(e))
     }
 
     async fn stock(&mut self, tenant: &str, key: &str) -> Result<Option<Stock>, StorageError> {

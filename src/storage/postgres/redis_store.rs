@@ -6,9 +6,8 @@
 
 use async_trait::async_trait;
 
-use super::batcher::work;
 use super::port::PgPort;
-use super::{acquire, PgStorage};
+use super::{acquire, work, PgStorage};
 use crate::engine::{ResourceKey, TenantId};
 use crate::storage::redis_store::{
     parse_pair, DeadLetter, RedisStore, SettleRecord, Settled, SettlementFailure, SettlementTable, DEAD_LETTERS_SQL,
