@@ -1,8 +1,9 @@
 //! The baselines a user would otherwise write, run by the bench process directly against the
 //! server's database with the same number of concurrent clients, one transaction per request:
 //!
-//! - `row-lock`: read the row under a lock (`SELECT ... FOR UPDATE` on PostgreSQL, `BEGIN
-//!   IMMEDIATE` on SQLite), check in the application, then `UPDATE` and insert a ledger row.
+//! - `row-lock`: read the row under a lock (`SELECT ... FOR UPDATE` on PostgreSQL and MySQL,
+//!   `BEGIN IMMEDIATE` on SQLite), check in the application, then `UPDATE` and insert a ledger
+//!   row.
 //! - `guarded-per-request`: the guarded `UPDATE ... WHERE available >= qty` and a ledger insert,
 //!   no batching.
 //! - `segmented`: the classic answer to a hot row. The SKU's stock is split over [`SEGMENTS`]
@@ -35,8 +36,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use rusqlite::{params, OptionalExtension};
 use serde::Serialize;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgPool, Row};
+use sqlx::{ConnectOptions, Connection, MySqlPool, PgPool, Row};
 
 use super::load::TOTAL;
 use super::server::DbAccess;
@@ -159,6 +161,7 @@ pub async fn setup(db: &DbAccess, which: Naive) -> anyhow::Result<()> {
             tokio::task::spawn_blocking(move || sqlite_setup(&p, which)).await.context("setup task")?
         }
         DbAccess::Postgres(url) => postgres_setup(url, which).await,
+        DbAccess::Mysql(url) => mysql_setup(url, which).await,
     }
 }
 
@@ -167,6 +170,7 @@ pub async fn run(db: &DbAccess, which: Naive, clients: usize, duration: Duration
     let (stats, tally) = match db {
         DbAccess::Sqlite(path) => sqlite(path, which, clients, duration).await?,
         DbAccess::Postgres(url) => postgres(url, which, clients, duration).await?,
+        DbAccess::Mysql(url) => mysql(url, which, clients, duration).await?,
     };
     if stats.requests == 0 {
         bail!("the {} baseline made no requests", which.name());
@@ -641,50 +645,248 @@ async fn postgres(url: &str, which: Naive, clients: usize, duration: Duration) -
     Ok((stats, tally))
 }
 
+// ---- MySQL --------------------------------------------------------------------------------
+// InnoDB at the server's isolation (REPEATABLE READ by default). `key` is a reserved word, so it
+// is quoted; keys are ASCII compared bytewise.
+
+async fn mysql_once(pool: &MySqlPool, which: Naive, request_id: &str, segment: i64) -> Result<Outcome, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let taken = match which.take() {
+        Take::LockThenCheck => {
+            let available: Option<i64> =
+                sqlx::query_scalar("SELECT available FROM bench_naive WHERE `key` = ? AND segment = ? FOR UPDATE")
+                    .bind(KEY)
+                    .bind(segment)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            let taken = available.unwrap_or(0) >= 1;
+            if taken {
+                sqlx::query(
+                    "UPDATE bench_naive SET available = available - 1, consumed = consumed + 1
+                     WHERE `key` = ? AND segment = ?",
+                )
+                .bind(KEY)
+                .bind(segment)
+                .execute(&mut *tx)
+                .await?;
+            }
+            taken
+        }
+        Take::Guarded => {
+            sqlx::query(
+                "UPDATE bench_naive SET available = available - 1, consumed = consumed + 1
+                 WHERE `key` = ? AND segment = ? AND available >= 1",
+            )
+            .bind(KEY)
+            .bind(segment)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                == 1
+        }
+    };
+    if taken {
+        sqlx::query("INSERT INTO bench_naive_ledger (`key`, qty, request_id) VALUES (?, 1, ?)")
+            .bind(KEY)
+            .bind(request_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        return Ok(Outcome::Sold);
+    }
+    // A plain SELECT is a consistent read: one snapshot for the sale and the stock it left.
+    let row = sqlx::query(
+        "SELECT sale, (SELECT CAST(COALESCE(SUM(available), 0) AS SIGNED) FROM bench_naive WHERE `key` = ?)
+         FROM bench_naive_sale WHERE `key` = ?",
+    )
+    .bind(KEY)
+    .bind(KEY)
+    .fetch_one(&mut *tx)
+    .await?;
+    let (sale, left): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
+    // Rolled back before the next sale is started: the refused UPDATE keeps its segment locked
+    // until then, and the restock needs every segment.
+    tx.rollback().await?;
+    if left > 0 {
+        return Ok(Outcome::FalseSoldOut);
+    }
+    let mut tx = pool.begin().await?;
+    let moved =
+        sqlx::query("UPDATE bench_naive_sale SET sale = sale + 1, stocked = stocked + ? WHERE `key` = ? AND sale = ?")
+            .bind(which.segments() * which.units_per_segment())
+            .bind(KEY)
+            .bind(sale)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+    if moved == 1 {
+        sqlx::query("UPDATE bench_naive SET available = available + ? WHERE `key` = ?")
+            .bind(which.units_per_segment())
+            .bind(KEY)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(Outcome::SoldOut)
+}
+
+async fn mysql_setup(url: &str, which: Naive) -> anyhow::Result<()> {
+    let opts = MySqlConnectOptions::from_str(url).context("parsing the bench database URL")?;
+    let mut conn = opts.connect().await.context("connecting to set up the baselines")?;
+    for stmt in [
+        "DROP TABLE IF EXISTS bench_naive",
+        "DROP TABLE IF EXISTS bench_naive_sale",
+        "DROP TABLE IF EXISTS bench_naive_ledger",
+        "CREATE TABLE bench_naive (`key` VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+             segment BIGINT NOT NULL, available BIGINT NOT NULL, consumed BIGINT NOT NULL,
+             PRIMARY KEY (`key`, segment)) ENGINE = InnoDB",
+        "CREATE TABLE bench_naive_sale (`key` VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,
+             sale BIGINT NOT NULL, stocked BIGINT NOT NULL) ENGINE = InnoDB",
+        "CREATE TABLE bench_naive_ledger (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+             `key` VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, qty BIGINT NOT NULL,
+             request_id VARCHAR(128) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+             at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE = InnoDB",
+    ] {
+        sqlx::query(stmt).execute(&mut conn).await.with_context(|| format!("baseline setup: {stmt}"))?;
+    }
+    let mut tx = conn.begin().await?;
+    for segment in 0..which.segments() {
+        sqlx::query("INSERT INTO bench_naive (`key`, segment, available, consumed) VALUES (?, ?, ?, 0)")
+            .bind(KEY)
+            .bind(segment)
+            .bind(which.units_per_segment())
+            .execute(&mut *tx)
+            .await
+            .context("baseline segments")?;
+    }
+    sqlx::query("INSERT INTO bench_naive_sale (`key`, sale, stocked) VALUES (?, 1, ?)")
+        .bind(KEY)
+        .bind(which.segments() * which.units_per_segment())
+        .execute(&mut *tx)
+        .await
+        .context("baseline sale")?;
+    tx.commit().await?;
+    conn.close().await.ok();
+    Ok(())
+}
+
+async fn mysql(url: &str, which: Naive, clients: usize, duration: Duration) -> anyhow::Result<(Stats, Tally)> {
+    let opts = MySqlConnectOptions::from_str(url).context("parsing the bench database URL")?;
+    let pool = MySqlPoolOptions::new()
+        .max_connections(u32::try_from(clients).unwrap_or(u32::MAX))
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_with(opts)
+        .await
+        .context("connecting the baseline pool")?;
+    let shared = pool.clone();
+    let stats = drive(which, clients, duration, move |request_id, segment| {
+        let pool = shared.clone();
+        async move { mysql_once(&pool, which, &request_id, segment).await.map_err(|e| sqlx_reason("mysql", &e)) }
+    })
+    .await?;
+    let row = sqlx::query(
+        "SELECT COUNT(*), CAST(COALESCE(SUM(available < 0 OR consumed < 0), 0) AS SIGNED),
+                CAST(COALESCE(SUM(available), 0) AS SIGNED), CAST(COALESCE(SUM(consumed), 0) AS SIGNED),
+                (SELECT sale FROM bench_naive_sale WHERE `key` = ?),
+                (SELECT stocked FROM bench_naive_sale WHERE `key` = ?),
+                (SELECT CAST(COALESCE(SUM(qty), 0) AS SIGNED) FROM bench_naive_ledger)
+         FROM bench_naive WHERE `key` = ?",
+    )
+    .bind(KEY)
+    .bind(KEY)
+    .bind(KEY)
+    .fetch_one(&pool)
+    .await
+    .context("reading the baseline's tables")?;
+    let tally = Tally {
+        segments: row.try_get(0)?,
+        negative_segments: row.try_get(1)?,
+        available: row.try_get(2)?,
+        consumed: row.try_get(3)?,
+        sales: row.try_get(4)?,
+        stocked: row.try_get(5)?,
+        ledger: row.try_get(6)?,
+    };
+    pool.close().await;
+    Ok((stats, tally))
+}
+
 #[cfg(test)]
 mod tests {
+    //! The baselines on every backend the machine has: SQLite always, PostgreSQL when
+    //! `STOCKD_TEST_PG_URL` and MySQL when `STOCKD_TEST_MYSQL_URL` name a server (any database of
+    //! it, as an administrator) on which a fresh database is created and dropped.
+
     use std::time::Duration;
 
-    use super::{
-        run, setup, sqlite_once, sqlite_open, Naive, Outcome, FALSE_SOLD_OUT, SEGMENTS, SOLD_OUT, UNITS_PER_SEGMENT,
-    };
-    use crate::bench::server::DbAccess;
-    use crate::bench::storage;
+    use sqlx::{MySqlPool, PgPool};
 
-    /// Sells one sale of `segmented` out by hand: an empty segment refuses while the others hold
-    /// stock (false sold-out), the order after the last unit is a true sold-out and starts the
-    /// next sale; then 8 clients for half a second, after which every baseline's invariants hold
-    /// and what it wrote is measured.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn baselines_refuse_falsely_only_when_segmented_and_keep_their_invariants_on_sqlite() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let path = dir.path().join("bench.db");
-        let db = DbAccess::Sqlite(path.clone());
-        setup(&db, Naive::Segmented).await.expect("segmented tables are created");
-        let mut conn = sqlite_open(&path).expect("the SQLite file opens");
-        let mut id = 0u32;
-        let mut order = |segment: i64| {
-            id += 1;
-            sqlite_once(&mut conn, Naive::Segmented, &format!("t-{id}"), segment).expect("SQLite takes the order")
-        };
-        for _ in 0..UNITS_PER_SEGMENT {
-            assert_eq!(order(7), Outcome::Sold);
-        }
-        assert_eq!(order(7), Outcome::FalseSoldOut, "segment 7 is empty, the others are not");
-        for segment in (0..SEGMENTS).filter(|s| *s != 7) {
-            for _ in 0..UNITS_PER_SEGMENT {
-                assert_eq!(order(segment), Outcome::Sold, "segment {segment}");
+    use super::{
+        mysql_once, pg_once, run, setup, sqlite_once, sqlite_open, Naive, Outcome, FALSE_SOLD_OUT, SEGMENTS, SOLD_OUT,
+        UNITS_PER_SEGMENT,
+    };
+    use crate::bench::server::{DbAccess, FreshDatabase};
+    use crate::bench::{storage, Backend};
+
+    /// A connection that takes one request at a time, on the backend under test.
+    enum Client {
+        Sqlite(rusqlite::Connection),
+        Postgres(PgPool),
+        Mysql(MySqlPool),
+    }
+
+    impl Client {
+        async fn open(db: &DbAccess) -> Client {
+            match db {
+                DbAccess::Sqlite(path) => Client::Sqlite(sqlite_open(path).expect("the SQLite file opens")),
+                DbAccess::Postgres(url) => Client::Postgres(PgPool::connect(url).await.expect("PostgreSQL answers")),
+                DbAccess::Mysql(url) => Client::Mysql(MySqlPool::connect(url).await.expect("MySQL answers")),
             }
         }
-        assert_eq!(order(42), Outcome::SoldOut, "every segment is empty");
-        assert_eq!(order(7), Outcome::Sold, "the next sale refilled segment 7");
+
+        async fn order(&mut self, which: Naive, request_id: &str, segment: i64) -> Outcome {
+            match self {
+                Client::Sqlite(conn) => sqlite_once(conn, which, request_id, segment).expect("SQLite takes the order"),
+                Client::Postgres(pool) => pg_once(pool, which, request_id, segment).await.expect("PostgreSQL takes it"),
+                Client::Mysql(pool) => mysql_once(pool, which, request_id, segment).await.expect("MySQL takes it"),
+            }
+        }
+    }
+
+    /// Sells one sale of `segmented` out by hand on `db`: an empty segment refuses while the
+    /// others hold stock (false sold-out), the order after the last unit is a true sold-out and
+    /// starts the next sale; then 8 clients for half a second, after which every baseline's
+    /// invariants hold and what it wrote is measured.
+    async fn baselines_on(db: &DbAccess) {
+        setup(db, Naive::Segmented).await.expect("segmented tables are created");
+        let mut client = Client::open(db).await;
+        let mut id = 0u32;
+        let mut order = async |client: &mut Client, segment: i64| {
+            id += 1;
+            client.order(Naive::Segmented, &format!("t-{id}"), segment).await
+        };
+        for _ in 0..UNITS_PER_SEGMENT {
+            assert_eq!(order(&mut client, 7).await, Outcome::Sold);
+        }
+        assert_eq!(order(&mut client, 7).await, Outcome::FalseSoldOut, "segment 7 is empty, the others are not");
+        for segment in (0..SEGMENTS).filter(|s| *s != 7) {
+            for _ in 0..UNITS_PER_SEGMENT {
+                assert_eq!(order(&mut client, segment).await, Outcome::Sold, "segment {segment}");
+            }
+        }
+        assert_eq!(order(&mut client, 42).await, Outcome::SoldOut, "every segment is empty");
+        assert_eq!(order(&mut client, 7).await, Outcome::Sold, "the next sale refilled segment 7");
+        drop(client);
 
         for which in [Naive::RowLock, Naive::Guarded, Naive::Segmented] {
-            setup(&db, which).await.expect("the baseline's tables are created");
-            let probe = storage::Probe::start(&db).await.expect("the database can be sized");
-            let outcome = run(&db, which, 8, Duration::from_millis(500)).await.expect("the baseline runs");
+            setup(db, which).await.expect("the baseline's tables are created");
+            let probe = storage::Probe::start(db).await.expect("the database can be sized");
+            let outcome = run(db, which, 8, Duration::from_millis(500)).await.expect("the baseline runs");
             let usage = probe.finish(outcome.stats.ok).await;
             assert!(usage.bytes_per_order.is_some(), "{}: {usage:?}", which.name());
+            if !matches!(db, DbAccess::Sqlite(_)) {
+                assert!(usage.wal_bytes_per_order.is_some_and(|b| b > 0.0), "{}: {usage:?}", which.name());
+            }
             assert_eq!(outcome.violations, Vec::<String>::new(), "{}: {:?}", which.name(), outcome.report);
             assert!(outcome.stats.ok > 0, "{}", which.name());
             let count = |reason: &str| outcome.stats.rejections.get(reason).copied().unwrap_or(0);
@@ -696,5 +898,32 @@ mod tests {
                 assert!(outcome.report.false_sold_outs > 0, "a sale ended: {:?}", outcome.report);
             }
         }
+    }
+
+    /// Creates a fresh database on the server `env` names, runs [`baselines_on`] and drops it.
+    async fn on_server(backend: Backend, env: &str) {
+        let Ok(admin_url) = std::env::var(env) else {
+            eprintln!("skipped: {env} is not set");
+            return;
+        };
+        let fresh = FreshDatabase::create(backend, &admin_url).await.expect("a fresh database is created");
+        baselines_on(&fresh.access()).await;
+        fresh.drop_database().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn baselines_refuse_falsely_only_when_segmented_and_keep_their_invariants_on_sqlite() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        baselines_on(&DbAccess::Sqlite(dir.path().join("bench.db"))).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn baselines_refuse_falsely_only_when_segmented_and_keep_their_invariants_on_postgres() {
+        on_server(Backend::Postgres, "STOCKD_TEST_PG_URL").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn baselines_refuse_falsely_only_when_segmented_and_keep_their_invariants_on_mysql() {
+        on_server(Backend::Mysql, "STOCKD_TEST_MYSQL_URL").await;
     }
 }

@@ -49,6 +49,20 @@ pub enum Backend {
     Sqlite,
     /// A fresh database on `--database-url`, dropped at the end.
     Postgres,
+    /// A fresh database on `--database-url` (MySQL or MariaDB, InnoDB), dropped at the end.
+    Mysql,
+}
+
+impl Backend {
+    /// The server a fresh database is created on when `--database-url` is not given: the local
+    /// one with its default administrator and no password.
+    pub fn default_admin_url(self) -> Option<&'static str> {
+        match self {
+            Self::Sqlite => None,
+            Self::Postgres => Some("postgres://postgres@127.0.0.1:5432/postgres"),
+            Self::Mysql => Some("mysql://root@127.0.0.1:3306/mysql"),
+        }
+    }
 }
 
 /// `stockd bench` options.
@@ -57,9 +71,11 @@ pub struct BenchArgs {
     /// Storage backend of the server started by the bench.
     #[arg(long, value_enum, default_value = "sqlite")]
     pub backend: Backend,
-    /// PostgreSQL server on which a fresh database is created (and dropped) for `--backend postgres`.
-    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
-    pub database_url: String,
+    /// Server on which a fresh database is created (and dropped) for `--backend postgres` or
+    /// `--backend mysql`: any database of it, as the administrator [default:
+    /// postgres://postgres@127.0.0.1:5432/postgres, or mysql://root@127.0.0.1:3306/mysql].
+    #[arg(long)]
+    pub database_url: Option<String>,
     /// Target an already running server on 127.0.0.1 instead of starting one (no baselines, no RSS).
     #[arg(long)]
     pub url: Option<String>,
@@ -271,7 +287,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let mut server = match &args.url {
         Some(url) => Server::external(url, args.admin_token.clone())?.with_pid(args.server_pid),
-        None => Server::start(args.backend, &args.database_url).await?,
+        None => {
+            let admin_url = args.database_url.as_deref().or(args.backend.default_admin_url());
+            Server::start(args.backend, admin_url).await?
+        }
     };
     let per_scenario = match args.orders {
         Some(n) => format!("{n} orders"),
@@ -471,19 +490,19 @@ fn print_table(results: &[ScenarioResult]) {
 }
 
 /// The storage columns: bytes per order and, on SQLite, the WAL file's peak in MiB, or on
-/// PostgreSQL the WAL written per order in bytes.
+/// PostgreSQL the WAL (on MySQL the InnoDB redo log) written per order in bytes.
 fn storage_cells(r: &ScenarioResult) -> (String, String) {
     let per_order = r.storage.bytes_per_order.map_or_else(|| "-".into(), |b| format!("{b:.0}"));
     let wal = match r.backend {
         Backend::Sqlite => r.storage.wal_peak_bytes.map(|b| format!("{:.1}", b as f64 / (1024.0 * 1024.0))),
-        Backend::Postgres => r.storage.wal_bytes_per_order.map(|b| format!("{b:.0}")),
+        Backend::Postgres | Backend::Mysql => r.storage.wal_bytes_per_order.map(|b| format!("{b:.0}")),
     };
     (per_order, wal.unwrap_or_else(|| "-".into()))
 }
 
 fn print_main_table(results: &[&ScenarioResult]) {
     let wal_header = match results.first().map(|r| r.backend) {
-        Some(Backend::Postgres) => "walB/ord",
+        Some(Backend::Postgres | Backend::Mysql) => "walB/ord",
         _ => "wal MiB",
     };
     println!(

@@ -28,8 +28,14 @@ pub(crate) async fn bench(args: &[&str]) -> (String, Value) {
         .env_remove("STOCKD_ADMIN_TOKEN")
         .stdin(Stdio::null())
         .kill_on_drop(true);
-    if Backend::from_env() == Backend::Postgres {
-        command.args(["--backend", "postgres", "--database-url", &crate::helpers::pg_admin_url()]);
+    match Backend::from_env() {
+        Backend::Sqlite => {}
+        Backend::Postgres => {
+            command.args(["--backend", "postgres", "--database-url", &crate::helpers::pg_admin_url()]);
+        }
+        Backend::Mysql => {
+            command.args(["--backend", "mysql", "--database-url", &crate::helpers::mysql_admin_url()]);
+        }
     }
     let output: Output = tokio::time::timeout(BENCH_DEADLINE, command.output())
         .await

@@ -43,6 +43,8 @@ const LISTENING_PREFIX: &str = "listening on http://";
 pub enum Backend {
     Sqlite,
     Postgres,
+    /// MySQL or MariaDB on `STOCKD_TEST_MYSQL_URL`.
+    Mysql,
 }
 
 impl Backend {
@@ -52,6 +54,7 @@ impl Backend {
             Ok(name) => match name.as_str() {
                 "" | "sqlite" => Backend::Sqlite,
                 "postgres" => Backend::Postgres,
+                "mysql" => Backend::Mysql,
                 other => panic!("STOCKD_TEST_BACKEND={other:?} is not a backend this suite knows"),
             },
         }
@@ -66,6 +69,7 @@ impl Backend {
                 let db = PgDatabase::create().await;
                 (db.url(), Some(db))
             }
+            Backend::Mysql => unimplemented!("the MySQL test backend is not in this branch yet"),
         }
     }
 }
@@ -74,6 +78,12 @@ impl Backend {
 /// local server with trust auth). Any database of that server works as the admin connection.
 pub fn pg_admin_url() -> String {
     std::env::var("STOCKD_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// The MySQL (or MariaDB) server the suite creates its databases on (`STOCKD_TEST_MYSQL_URL`,
+/// default the local server's root without a password).
+pub fn mysql_admin_url() -> String {
+    std::env::var("STOCKD_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/mysql".to_owned())
 }
 
 /// A throwaway PostgreSQL database for one test, dropped (connections and all) when the test ends.
@@ -1007,5 +1017,6 @@ pub async fn tamper(database_url: &str, statements: &[&str]) {
             }
             let _ = conn.close().await;
         }
+        Backend::Mysql => unimplemented!("the MySQL test backend is not in this branch yet"),
     }
 }

@@ -137,6 +137,7 @@ impl TableHold {
                 sqlx::query("LOCK TABLE resources IN EXCLUSIVE MODE").execute(&mut conn).await.expect("LOCK TABLE");
                 TableHold::Postgres(conn)
             }
+            Backend::Mysql => unimplemented!("the MySQL test backend is not in this branch yet"),
         }
     }
 

@@ -33,6 +33,7 @@ impl Db {
             Backend::Postgres => {
                 Db::Postgres(sqlx::PgConnection::connect(app.database_url()).await.expect("PostgreSQL answers"))
             }
+            Backend::Mysql => unimplemented!("the MySQL test backend is not in this branch yet"),
         }
     }
 

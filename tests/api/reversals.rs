@@ -252,7 +252,7 @@ async fn sixty_four_racing_reversals_never_exceed_what_the_order_took() {
     shop.create_resource("sku-s", 50).await;
     shop.order("k-1", &deduct("ORD-RACE", &[("sku-r", 20), ("sku-s", 20)])).await.expect_json(201);
     let sibling = match Backend::from_env() {
-        Backend::Postgres => Some(app.spawn_sibling().await),
+        Backend::Postgres | Backend::Mysql => Some(app.spawn_sibling().await),
         Backend::Sqlite => None,
     };
     let shops: Vec<TenantClient> = match &sibling {
