@@ -330,7 +330,7 @@ fn sqlite_once(
     segment: i64,
 ) -> rusqlite::Result<Outcome> {
     let now = i64::try_from(std::time::UNIX_EPOCH.elapsed().map(|d| d.as_millis()).unwrap_or(0)).unwrap_or(0);
-    let applied = match which.take() {
+    let taken = match which.take() {
         Take::LockThenCheck => {
             // IMMEDIATE takes the database's write lock up front: SQLite's row lock.
             let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
@@ -360,7 +360,7 @@ fn sqlite_once(
             sqlite_finish(tx, changed == 1, request_id, now)?
         }
     };
-    match applied {
+    match taken {
         Taken::Sold => Ok(Outcome::Sold),
         Taken::Refused { left, .. } if left > 0 => Ok(Outcome::FalseSoldOut),
         Taken::Refused { sale, .. } => {
