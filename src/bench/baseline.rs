@@ -30,15 +30,13 @@
 
 use std::future::Future;
 use std::path::Path;
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use rusqlite::{params, OptionalExtension};
 use serde::Serialize;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, MySqlPool, PgPool, Row};
+use sqlx::pool::PoolOptions;
+use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, MySql, Pool, Postgres, Row, Type};
 
 use super::load::TOTAL;
 use super::server::DbAccess;
@@ -160,8 +158,8 @@ pub async fn setup(db: &DbAccess, which: Naive) -> anyhow::Result<()> {
             let p = path.to_path_buf();
             tokio::task::spawn_blocking(move || sqlite_setup(&p, which)).await.context("setup task")?
         }
-        DbAccess::Postgres(url) => postgres_setup(url, which).await,
-        DbAccess::Mysql(url) => mysql_setup(url, which).await,
+        DbAccess::Postgres(url) => sqlx_setup::<Postgres>(url, &POSTGRES, which).await,
+        DbAccess::Mysql(url) => sqlx_setup::<MySql>(url, &MYSQL, which).await,
     }
 }
 
@@ -169,8 +167,8 @@ pub async fn setup(db: &DbAccess, which: Naive) -> anyhow::Result<()> {
 pub async fn run(db: &DbAccess, which: Naive, clients: usize, duration: Duration) -> anyhow::Result<Run> {
     let (stats, tally) = match db {
         DbAccess::Sqlite(path) => sqlite(path, which, clients, duration).await?,
-        DbAccess::Postgres(url) => postgres(url, which, clients, duration).await?,
-        DbAccess::Mysql(url) => mysql(url, which, clients, duration).await?,
+        DbAccess::Postgres(url) => sqlx_run::<Postgres>(url, &POSTGRES, which, clients, duration).await?,
+        DbAccess::Mysql(url) => sqlx_run::<MySql>(url, &MYSQL, which, clients, duration).await?,
     };
     if stats.requests == 0 {
         bail!("the {} baseline made no requests", which.name());
@@ -223,6 +221,17 @@ struct Tally {
     stocked: i64,
     /// Sum of the ledger's quantities.
     ledger: i64,
+}
+
+/// Columns of each backend's tally query.
+const TALLY_COLUMNS: usize = 7;
+
+impl Tally {
+    /// From the tally query's columns, in the order of the fields.
+    fn from_columns(columns: [i64; TALLY_COLUMNS]) -> Self {
+        let [segments, negative_segments, available, consumed, sales, stocked, ledger] = columns;
+        Self { segments, negative_segments, available, consumed, sales, stocked, ledger }
+    }
 }
 
 fn invariants(which: Naive, t: &Tally, stats: &Stats) -> Vec<String> {
@@ -457,15 +466,11 @@ async fn sqlite(path: &Path, which: Naive, clients: usize, duration: Duration) -
              FROM bench_naive WHERE key = ?1",
             params![KEY],
             |r| {
-                Ok(Tally {
-                    segments: r.get(0)?,
-                    negative_segments: r.get(1)?,
-                    available: r.get(2)?,
-                    consumed: r.get(3)?,
-                    sales: r.get(4)?,
-                    stocked: r.get(5)?,
-                    ledger: r.get(6)?,
-                })
+                let mut columns = [0i64; TALLY_COLUMNS];
+                for (i, c) in columns.iter_mut().enumerate() {
+                    *c = r.get(i)?;
+                }
+                Ok(Tally::from_columns(columns))
             },
         )?;
         Ok(tally)
@@ -491,90 +496,41 @@ fn sqlx_reason(prefix: &str, err: &sqlx::Error) -> String {
     }
 }
 
-// ---- PostgreSQL ---------------------------------------------------------------------------
+// ---- PostgreSQL and MySQL ----------------------------------------------------------------
 
-async fn pg_once(pool: &PgPool, which: Naive, request_id: &str, segment: i64) -> Result<Outcome, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    let taken = match which.take() {
-        Take::LockThenCheck => {
-            let available: Option<i64> =
-                sqlx::query_scalar("SELECT available FROM bench_naive WHERE key = $1 AND segment = $2 FOR UPDATE")
-                    .bind(KEY)
-                    .bind(segment)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            let taken = available.unwrap_or(0) >= 1;
-            if taken {
-                sqlx::query(
-                    "UPDATE bench_naive SET available = available - 1, consumed = consumed + 1
-                     WHERE key = $1 AND segment = $2",
-                )
-                .bind(KEY)
-                .bind(segment)
-                .execute(&mut *tx)
-                .await?;
-            }
-            taken
-        }
-        Take::Guarded => {
-            sqlx::query(
-                "UPDATE bench_naive SET available = available - 1, consumed = consumed + 1
-                 WHERE key = $1 AND segment = $2 AND available >= 1",
-            )
-            .bind(KEY)
-            .bind(segment)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1
-        }
-    };
-    if taken {
-        sqlx::query("INSERT INTO bench_naive_ledger (key, qty, request_id) VALUES ($1, 1, $2)")
-            .bind(KEY)
-            .bind(request_id)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        return Ok(Outcome::Sold);
-    }
-    // One statement, so one snapshot: the sale read and the stock it left.
-    let row = sqlx::query(
-        "SELECT sale, (SELECT COALESCE(SUM(available), 0)::BIGINT FROM bench_naive WHERE key = $1)
-         FROM bench_naive_sale WHERE key = $1",
-    )
-    .bind(KEY)
-    .fetch_one(&mut *tx)
-    .await?;
-    let (sale, left): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
-    tx.rollback().await?;
-    if left > 0 {
-        return Ok(Outcome::FalseSoldOut);
-    }
-    let mut tx = pool.begin().await?;
-    let moved =
-        sqlx::query("UPDATE bench_naive_sale SET sale = sale + 1, stocked = stocked + $2 WHERE key = $1 AND sale = $3")
-            .bind(KEY)
-            .bind(which.segments() * which.units_per_segment())
-            .bind(sale)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-    if moved == 1 {
-        sqlx::query("UPDATE bench_naive SET available = available + $2 WHERE key = $1")
-            .bind(KEY)
-            .bind(which.units_per_segment())
-            .execute(&mut *tx)
-            .await?;
-    }
-    tx.commit().await?;
-    Ok(Outcome::SoldOut)
+/// The SQL text of one server for the request flow both share ([`sqlx_once`]). Each statement
+/// binds its values in the order its comment gives, every placeholder once, so one sequence of
+/// binds serves PostgreSQL's `$n` and MySQL's `?`.
+struct Dialect {
+    /// Prefix of a failed request's reason (then the SQLSTATE).
+    name: &'static str,
+    /// Drops and creates the baselines' tables.
+    create: &'static [&'static str],
+    /// key, segment, units.
+    insert_segment: &'static str,
+    /// key, units stocked.
+    insert_sale: &'static str,
+    /// key, segment; returns `available`, the row locked until the end of the transaction.
+    lock: &'static str,
+    /// key, segment: takes a unit unchecked (after `lock`).
+    take: &'static str,
+    /// key, segment: takes a unit if there is one.
+    take_guarded: &'static str,
+    /// key, request id.
+    ledger: &'static str,
+    /// key, key; returns the sale and the units left in all segments, from one snapshot.
+    sale_and_left: &'static str,
+    /// units of a sale, key, the sale seen sold out.
+    next_sale: &'static str,
+    /// units per segment, key.
+    refill: &'static str,
+    /// key, key, key; returns the [`Tally`] columns in order.
+    tally: &'static str,
 }
 
-async fn postgres_setup(url: &str, which: Naive) -> anyhow::Result<()> {
-    let opts = PgConnectOptions::from_str(url).context("parsing the bench database URL")?;
-    let mut conn = opts.connect().await.context("connecting to set up the baselines")?;
-    for stmt in [
+const POSTGRES: Dialect = Dialect {
+    name: "pg",
+    create: &[
         "DROP TABLE IF EXISTS bench_naive",
         "DROP TABLE IF EXISTS bench_naive_sale",
         "DROP TABLE IF EXISTS bench_naive_ledger",
@@ -583,157 +539,32 @@ async fn postgres_setup(url: &str, which: Naive) -> anyhow::Result<()> {
         "CREATE TABLE bench_naive_sale (key TEXT PRIMARY KEY, sale BIGINT NOT NULL, stocked BIGINT NOT NULL)",
         "CREATE TABLE bench_naive_ledger (id BIGSERIAL PRIMARY KEY, key TEXT NOT NULL, qty BIGINT NOT NULL,
              request_id TEXT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT now())",
-    ] {
-        sqlx::query(stmt).execute(&mut conn).await.with_context(|| format!("baseline setup: {stmt}"))?;
-    }
-    sqlx::query(
-        "INSERT INTO bench_naive (key, segment, available, consumed)
-         SELECT $1, s, $2, 0 FROM generate_series(0, $3 - 1) AS s",
-    )
-    .bind(KEY)
-    .bind(which.units_per_segment())
-    .bind(which.segments())
-    .execute(&mut conn)
-    .await
-    .context("baseline segments")?;
-    sqlx::query("INSERT INTO bench_naive_sale (key, sale, stocked) VALUES ($1, 1, $2)")
-        .bind(KEY)
-        .bind(which.segments() * which.units_per_segment())
-        .execute(&mut conn)
-        .await
-        .context("baseline sale")?;
-    conn.close().await.ok();
-    Ok(())
-}
+    ],
+    insert_segment: "INSERT INTO bench_naive (key, segment, available, consumed) VALUES ($1, $2, $3, 0)",
+    insert_sale: "INSERT INTO bench_naive_sale (key, sale, stocked) VALUES ($1, 1, $2)",
+    lock: "SELECT available FROM bench_naive WHERE key = $1 AND segment = $2 FOR UPDATE",
+    take: "UPDATE bench_naive SET available = available - 1, consumed = consumed + 1 WHERE key = $1 AND segment = $2",
+    take_guarded: "UPDATE bench_naive SET available = available - 1, consumed = consumed + 1
+                   WHERE key = $1 AND segment = $2 AND available >= 1",
+    ledger: "INSERT INTO bench_naive_ledger (key, qty, request_id) VALUES ($1, 1, $2)",
+    sale_and_left: "SELECT sale, (SELECT COALESCE(SUM(available), 0)::BIGINT FROM bench_naive WHERE key = $1)
+                    FROM bench_naive_sale WHERE key = $2",
+    next_sale: "UPDATE bench_naive_sale SET sale = sale + 1, stocked = stocked + $1 WHERE key = $2 AND sale = $3",
+    refill: "UPDATE bench_naive SET available = available + $1 WHERE key = $2",
+    tally: "SELECT COUNT(*), COUNT(*) FILTER (WHERE available < 0 OR consumed < 0),
+                   COALESCE(SUM(available), 0)::BIGINT, COALESCE(SUM(consumed), 0)::BIGINT,
+                   (SELECT sale FROM bench_naive_sale WHERE key = $1),
+                   (SELECT stocked FROM bench_naive_sale WHERE key = $2),
+                   (SELECT COALESCE(SUM(qty), 0)::BIGINT FROM bench_naive_ledger)
+            FROM bench_naive WHERE key = $3",
+};
 
-async fn postgres(url: &str, which: Naive, clients: usize, duration: Duration) -> anyhow::Result<(Stats, Tally)> {
-    let opts = PgConnectOptions::from_str(url).context("parsing the bench database URL")?;
-    let pool = PgPoolOptions::new()
-        .max_connections(u32::try_from(clients).unwrap_or(u32::MAX))
-        .acquire_timeout(ACQUIRE_TIMEOUT)
-        .connect_with(opts)
-        .await
-        .context("connecting the baseline pool")?;
-    let shared = pool.clone();
-    let stats = drive(which, clients, duration, move |request_id, segment| {
-        let pool = shared.clone();
-        async move { pg_once(&pool, which, &request_id, segment).await.map_err(|e| sqlx_reason("pg", &e)) }
-    })
-    .await?;
-    let row = sqlx::query(
-        "SELECT COUNT(*), COUNT(*) FILTER (WHERE available < 0 OR consumed < 0),
-                COALESCE(SUM(available), 0)::BIGINT, COALESCE(SUM(consumed), 0)::BIGINT,
-                (SELECT sale FROM bench_naive_sale WHERE key = $1),
-                (SELECT stocked FROM bench_naive_sale WHERE key = $1),
-                (SELECT COALESCE(SUM(qty), 0)::BIGINT FROM bench_naive_ledger)
-         FROM bench_naive WHERE key = $1",
-    )
-    .bind(KEY)
-    .fetch_one(&pool)
-    .await
-    .context("reading the baseline's tables")?;
-    let tally = Tally {
-        segments: row.try_get(0)?,
-        negative_segments: row.try_get(1)?,
-        available: row.try_get(2)?,
-        consumed: row.try_get(3)?,
-        sales: row.try_get(4)?,
-        stocked: row.try_get(5)?,
-        ledger: row.try_get(6)?,
-    };
-    pool.close().await;
-    Ok((stats, tally))
-}
-
-// ---- MySQL --------------------------------------------------------------------------------
-// InnoDB at the server's isolation (REPEATABLE READ by default). `key` is a reserved word, so it
-// is quoted; keys are ASCII compared bytewise.
-
-async fn mysql_once(pool: &MySqlPool, which: Naive, request_id: &str, segment: i64) -> Result<Outcome, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    let taken = match which.take() {
-        Take::LockThenCheck => {
-            let available: Option<i64> =
-                sqlx::query_scalar("SELECT available FROM bench_naive WHERE `key` = ? AND segment = ? FOR UPDATE")
-                    .bind(KEY)
-                    .bind(segment)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            let taken = available.unwrap_or(0) >= 1;
-            if taken {
-                sqlx::query(
-                    "UPDATE bench_naive SET available = available - 1, consumed = consumed + 1
-                     WHERE `key` = ? AND segment = ?",
-                )
-                .bind(KEY)
-                .bind(segment)
-                .execute(&mut *tx)
-                .await?;
-            }
-            taken
-        }
-        Take::Guarded => {
-            sqlx::query(
-                "UPDATE bench_naive SET available = available - 1, consumed = consumed + 1
-                 WHERE `key` = ? AND segment = ? AND available >= 1",
-            )
-            .bind(KEY)
-            .bind(segment)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1
-        }
-    };
-    if taken {
-        sqlx::query("INSERT INTO bench_naive_ledger (`key`, qty, request_id) VALUES (?, 1, ?)")
-            .bind(KEY)
-            .bind(request_id)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        return Ok(Outcome::Sold);
-    }
-    // A plain SELECT is a consistent read: one snapshot for the sale and the stock it left.
-    let row = sqlx::query(
-        "SELECT sale, (SELECT CAST(COALESCE(SUM(available), 0) AS SIGNED) FROM bench_naive WHERE `key` = ?)
-         FROM bench_naive_sale WHERE `key` = ?",
-    )
-    .bind(KEY)
-    .bind(KEY)
-    .fetch_one(&mut *tx)
-    .await?;
-    let (sale, left): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
-    // Rolled back before the next sale is started: the refused UPDATE keeps its segment locked
-    // until then, and the restock needs every segment.
-    tx.rollback().await?;
-    if left > 0 {
-        return Ok(Outcome::FalseSoldOut);
-    }
-    let mut tx = pool.begin().await?;
-    let moved =
-        sqlx::query("UPDATE bench_naive_sale SET sale = sale + 1, stocked = stocked + ? WHERE `key` = ? AND sale = ?")
-            .bind(which.segments() * which.units_per_segment())
-            .bind(KEY)
-            .bind(sale)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-    if moved == 1 {
-        sqlx::query("UPDATE bench_naive SET available = available + ? WHERE `key` = ?")
-            .bind(which.units_per_segment())
-            .bind(KEY)
-            .execute(&mut *tx)
-            .await?;
-    }
-    tx.commit().await?;
-    Ok(Outcome::SoldOut)
-}
-
-async fn mysql_setup(url: &str, which: Naive) -> anyhow::Result<()> {
-    let opts = MySqlConnectOptions::from_str(url).context("parsing the bench database URL")?;
-    let mut conn = opts.connect().await.context("connecting to set up the baselines")?;
-    for stmt in [
+/// InnoDB at the server's isolation (REPEATABLE READ by default). `key` is a reserved word, so it
+/// is quoted; keys are ASCII compared bytewise. A plain SELECT is a consistent read, so
+/// `sale_and_left` sees one snapshot.
+const MYSQL: Dialect = Dialect {
+    name: "mysql",
+    create: &[
         "DROP TABLE IF EXISTS bench_naive",
         "DROP TABLE IF EXISTS bench_naive_sale",
         "DROP TABLE IF EXISTS bench_naive_ledger",
@@ -746,69 +577,173 @@ async fn mysql_setup(url: &str, which: Naive) -> anyhow::Result<()> {
              `key` VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, qty BIGINT NOT NULL,
              request_id VARCHAR(128) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
              at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE = InnoDB",
-    ] {
-        sqlx::query(stmt).execute(&mut conn).await.with_context(|| format!("baseline setup: {stmt}"))?;
+    ],
+    insert_segment: "INSERT INTO bench_naive (`key`, segment, available, consumed) VALUES (?, ?, ?, 0)",
+    insert_sale: "INSERT INTO bench_naive_sale (`key`, sale, stocked) VALUES (?, 1, ?)",
+    lock: "SELECT available FROM bench_naive WHERE `key` = ? AND segment = ? FOR UPDATE",
+    take: "UPDATE bench_naive SET available = available - 1, consumed = consumed + 1 WHERE `key` = ? AND segment = ?",
+    take_guarded: "UPDATE bench_naive SET available = available - 1, consumed = consumed + 1
+                   WHERE `key` = ? AND segment = ? AND available >= 1",
+    ledger: "INSERT INTO bench_naive_ledger (`key`, qty, request_id) VALUES (?, 1, ?)",
+    sale_and_left: "SELECT sale, (SELECT CAST(COALESCE(SUM(available), 0) AS SIGNED) FROM bench_naive WHERE `key` = ?)
+                    FROM bench_naive_sale WHERE `key` = ?",
+    next_sale: "UPDATE bench_naive_sale SET sale = sale + 1, stocked = stocked + ? WHERE `key` = ? AND sale = ?",
+    refill: "UPDATE bench_naive SET available = available + ? WHERE `key` = ?",
+    tally: "SELECT COUNT(*), CAST(COALESCE(SUM(available < 0 OR consumed < 0), 0) AS SIGNED),
+                   CAST(COALESCE(SUM(available), 0) AS SIGNED), CAST(COALESCE(SUM(consumed), 0) AS SIGNED),
+                   (SELECT sale FROM bench_naive_sale WHERE `key` = ?),
+                   (SELECT stocked FROM bench_naive_sale WHERE `key` = ?),
+                   (SELECT CAST(COALESCE(SUM(qty), 0) AS SIGNED) FROM bench_naive_ledger)
+            FROM bench_naive WHERE `key` = ?",
+};
+
+/// The rows a statement changed, whichever server ran it.
+trait RowsAffected {
+    fn rows(&self) -> u64;
+}
+
+impl RowsAffected for sqlx::postgres::PgQueryResult {
+    fn rows(&self) -> u64 {
+        self.rows_affected()
     }
-    let mut tx = conn.begin().await?;
+}
+
+impl RowsAffected for sqlx::mysql::MySqlQueryResult {
+    fn rows(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+/// Creates the tables of `d` on `url` with `which`'s segments and its first sale.
+async fn sqlx_setup<DB: Database>(url: &str, d: &Dialect, which: Naive) -> anyhow::Result<()>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    i64: Type<DB> + for<'q> Encode<'q, DB>,
+    String: Type<DB> + for<'q> Encode<'q, DB>,
+{
+    let pool = connect::<DB>(url, 1).await?;
+    for stmt in d.create {
+        sqlx::query(stmt).execute(&pool).await.with_context(|| format!("baseline setup: {stmt}"))?;
+    }
+    let mut tx = pool.begin().await?;
     for segment in 0..which.segments() {
-        sqlx::query("INSERT INTO bench_naive (`key`, segment, available, consumed) VALUES (?, ?, ?, 0)")
-            .bind(KEY)
+        sqlx::query(d.insert_segment)
+            .bind(KEY.to_string())
             .bind(segment)
             .bind(which.units_per_segment())
             .execute(&mut *tx)
             .await
             .context("baseline segments")?;
     }
-    sqlx::query("INSERT INTO bench_naive_sale (`key`, sale, stocked) VALUES (?, 1, ?)")
-        .bind(KEY)
+    sqlx::query(d.insert_sale)
+        .bind(KEY.to_string())
         .bind(which.segments() * which.units_per_segment())
         .execute(&mut *tx)
         .await
         .context("baseline sale")?;
     tx.commit().await?;
-    conn.close().await.ok();
+    pool.close().await;
     Ok(())
 }
 
-async fn mysql(url: &str, which: Naive, clients: usize, duration: Duration) -> anyhow::Result<(Stats, Tally)> {
-    let opts = MySqlConnectOptions::from_str(url).context("parsing the bench database URL")?;
-    let pool = MySqlPoolOptions::new()
-        .max_connections(u32::try_from(clients).unwrap_or(u32::MAX))
-        .acquire_timeout(ACQUIRE_TIMEOUT)
-        .connect_with(opts)
-        .await
-        .context("connecting the baseline pool")?;
+/// One request: take a unit from `segment` and write its ledger row in one transaction;
+/// refused, read the sale and the stock left, and start the next sale when nothing was left.
+async fn sqlx_once<DB: Database>(
+    pool: &Pool<DB>,
+    d: &Dialect,
+    which: Naive,
+    request_id: String,
+    segment: i64,
+) -> Result<Outcome, sqlx::Error>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    i64: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
+    String: Type<DB> + for<'q> Encode<'q, DB>,
+    usize: ColumnIndex<DB::Row>,
+    DB::QueryResult: RowsAffected,
+{
+    let key = || KEY.to_string();
+    let mut tx = pool.begin().await?;
+    let taken = match which.take() {
+        Take::LockThenCheck => {
+            let available: Option<i64> =
+                sqlx::query_scalar(d.lock).bind(key()).bind(segment).fetch_optional(&mut *tx).await?;
+            let taken = available.unwrap_or(0) >= 1;
+            if taken {
+                sqlx::query(d.take).bind(key()).bind(segment).execute(&mut *tx).await?;
+            }
+            taken
+        }
+        Take::Guarded => sqlx::query(d.take_guarded).bind(key()).bind(segment).execute(&mut *tx).await?.rows() == 1,
+    };
+    if taken {
+        sqlx::query(d.ledger).bind(key()).bind(request_id).execute(&mut *tx).await?;
+        tx.commit().await?;
+        return Ok(Outcome::Sold);
+    }
+    let row = sqlx::query(d.sale_and_left).bind(key()).bind(key()).fetch_one(&mut *tx).await?;
+    let (sale, left): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
+    // Rolled back before the next sale starts: MySQL keeps the refused UPDATE's segment locked
+    // until then, and the refill needs every segment.
+    tx.rollback().await?;
+    if left > 0 {
+        return Ok(Outcome::FalseSoldOut);
+    }
+    let mut tx = pool.begin().await?;
+    let sale_units = which.segments() * which.units_per_segment();
+    let moved = sqlx::query(d.next_sale).bind(sale_units).bind(key()).bind(sale).execute(&mut *tx).await?.rows();
+    if moved == 1 {
+        sqlx::query(d.refill).bind(which.units_per_segment()).bind(key()).execute(&mut *tx).await?;
+    }
+    tx.commit().await?;
+    Ok(Outcome::SoldOut)
+}
+
+/// Runs `which` on the tables of `d` at `url` with `clients` connections for `duration`, then
+/// reads them.
+async fn sqlx_run<DB: Database>(
+    url: &str,
+    d: &'static Dialect,
+    which: Naive,
+    clients: usize,
+    duration: Duration,
+) -> anyhow::Result<(Stats, Tally)>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    i64: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
+    String: Type<DB> + for<'q> Encode<'q, DB>,
+    usize: ColumnIndex<DB::Row>,
+    DB::QueryResult: RowsAffected,
+{
+    let pool = connect::<DB>(url, clients).await?;
     let shared = pool.clone();
     let stats = drive(which, clients, duration, move |request_id, segment| {
         let pool = shared.clone();
-        async move { mysql_once(&pool, which, &request_id, segment).await.map_err(|e| sqlx_reason("mysql", &e)) }
+        async move { sqlx_once(&pool, d, which, request_id, segment).await.map_err(|e| sqlx_reason(d.name, &e)) }
     })
     .await?;
-    let row = sqlx::query(
-        "SELECT COUNT(*), CAST(COALESCE(SUM(available < 0 OR consumed < 0), 0) AS SIGNED),
-                CAST(COALESCE(SUM(available), 0) AS SIGNED), CAST(COALESCE(SUM(consumed), 0) AS SIGNED),
-                (SELECT sale FROM bench_naive_sale WHERE `key` = ?),
-                (SELECT stocked FROM bench_naive_sale WHERE `key` = ?),
-                (SELECT CAST(COALESCE(SUM(qty), 0) AS SIGNED) FROM bench_naive_ledger)
-         FROM bench_naive WHERE `key` = ?",
-    )
-    .bind(KEY)
-    .bind(KEY)
-    .bind(KEY)
-    .fetch_one(&pool)
-    .await
-    .context("reading the baseline's tables")?;
-    let tally = Tally {
-        segments: row.try_get(0)?,
-        negative_segments: row.try_get(1)?,
-        available: row.try_get(2)?,
-        consumed: row.try_get(3)?,
-        sales: row.try_get(4)?,
-        stocked: row.try_get(5)?,
-        ledger: row.try_get(6)?,
-    };
+    let key = || KEY.to_string();
+    let row = sqlx::query(d.tally).bind(key()).bind(key()).bind(key()).fetch_one(&pool).await;
     pool.close().await;
-    Ok((stats, tally))
+    let row = row.context("reading the baseline's tables")?;
+    let mut columns = [0i64; TALLY_COLUMNS];
+    for (i, c) in columns.iter_mut().enumerate() {
+        *c = row.try_get(i)?;
+    }
+    Ok((stats, Tally::from_columns(columns)))
+}
+
+/// A pool of up to `connections` connections to `url`.
+async fn connect<DB: Database>(url: &str, connections: usize) -> anyhow::Result<Pool<DB>> {
+    PoolOptions::<DB>::new()
+        .max_connections(u32::try_from(connections.max(1)).unwrap_or(u32::MAX))
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect(url)
+        .await
+        .context("connecting to the bench database")
 }
 
 #[cfg(test)]
@@ -822,8 +757,8 @@ mod tests {
     use sqlx::{MySqlPool, PgPool};
 
     use super::{
-        mysql_once, pg_once, run, setup, sqlite_once, sqlite_open, Naive, Outcome, FALSE_SOLD_OUT, SEGMENTS, SOLD_OUT,
-        UNITS_PER_SEGMENT,
+        run, setup, sqlite_once, sqlite_open, sqlx_once, Naive, Outcome, FALSE_SOLD_OUT, MYSQL, POSTGRES, SEGMENTS,
+        SOLD_OUT, UNITS_PER_SEGMENT,
     };
     use crate::bench::server::{DbAccess, FreshDatabase};
     use crate::bench::{storage, Backend};
@@ -847,8 +782,12 @@ mod tests {
         async fn order(&mut self, which: Naive, request_id: &str, segment: i64) -> Outcome {
             match self {
                 Client::Sqlite(conn) => sqlite_once(conn, which, request_id, segment).expect("SQLite takes the order"),
-                Client::Postgres(pool) => pg_once(pool, which, request_id, segment).await.expect("PostgreSQL takes it"),
-                Client::Mysql(pool) => mysql_once(pool, which, request_id, segment).await.expect("MySQL takes it"),
+                Client::Postgres(pool) => sqlx_once(pool, &POSTGRES, which, request_id.to_string(), segment)
+                    .await
+                    .expect("PostgreSQL takes it"),
+                Client::Mysql(pool) => {
+                    sqlx_once(pool, &MYSQL, which, request_id.to_string(), segment).await.expect("MySQL takes it")
+                }
             }
         }
     }
