@@ -34,8 +34,9 @@ enum DbServer {
     Mysql,
 }
 
-/// A database the bench created on a server (PostgreSQL or MySQL) and drops at the end.
-#[derive(Debug, Clone)]
+/// A database the bench created on a server (PostgreSQL or MySQL) and drops at the end (not
+/// `Clone`: it is dropped once).
+#[derive(Debug)]
 pub struct FreshDatabase {
     server: DbServer,
     admin_url: String,
