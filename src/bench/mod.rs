@@ -14,8 +14,10 @@
 //! (`scripts/bench/callgrind.sh`) counts exactly the load.
 //!
 //! Baselines measured in the same run on the same database: `ceiling` (`GET /healthz` under the
-//! same clients), `row-lock` and `guarded-per-request` (see [`baseline`]); each stockd scenario
-//! is printed with its throughput ratio to them.
+//! same clients), `row-lock`, `guarded-per-request` and `segmented` (see [`baseline`]); each
+//! stockd scenario (and `segmented`) is printed with its throughput ratio to the first three.
+//! `segmented` splits the stock over 100 rows and refuses an order when its row is empty: the
+//! `false SO` column (JSON `false_sold_outs`) counts those refusals made while stock remained.
 //!
 //! `noisy-neighbour` ([`noisy`]) is printed in a table of its own: one tenant's latency and
 //! throughput while another floods the server with cheap, then with fuel-burning plugin plans.
@@ -47,6 +49,20 @@ pub enum Backend {
     Sqlite,
     /// A fresh database on `--database-url`, dropped at the end.
     Postgres,
+    /// A fresh database on `--database-url` (MySQL or MariaDB, InnoDB), dropped at the end.
+    Mysql,
+}
+
+impl Backend {
+    /// The server a fresh database is created on when `--database-url` is not given: the local
+    /// one with its default administrator and no password.
+    pub fn default_admin_url(self) -> Option<&'static str> {
+        match self {
+            Self::Sqlite => None,
+            Self::Postgres => Some("postgres://postgres@127.0.0.1:5432/postgres"),
+            Self::Mysql => Some("mysql://root@127.0.0.1:3306/mysql"),
+        }
+    }
 }
 
 /// `stockd bench` options.
@@ -55,9 +71,11 @@ pub struct BenchArgs {
     /// Storage backend of the server started by the bench.
     #[arg(long, value_enum, default_value = "sqlite")]
     pub backend: Backend,
-    /// PostgreSQL server on which a fresh database is created (and dropped) for `--backend postgres`.
-    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
-    pub database_url: String,
+    /// Server on which a fresh database is created (and dropped) for `--backend postgres` or
+    /// `--backend mysql`: any database of it, as the administrator [default:
+    /// postgres://postgres@127.0.0.1:5432/postgres, or mysql://root@127.0.0.1:3306/mysql].
+    #[arg(long)]
+    pub database_url: Option<String>,
     /// Target an already running server on 127.0.0.1 instead of starting one (no baselines, no RSS).
     #[arg(long)]
     pub url: Option<String>,
@@ -90,13 +108,14 @@ pub struct BenchArgs {
     pub exec_after_load: Option<String>,
     /// Comma-separated scenarios: hot-key, uniform, multi-line, replay-storm, reserve-confirm,
     /// deduct-reverse (each order deducts 2 and reverses 1), ceiling, row-lock,
-    /// guarded-per-request; and redis-hot-key (needs STOCKD_REDIS_URL) and
+    /// guarded-per-request, segmented (stock split over 100 rows, 10 units each per sale);
+    /// and redis-hot-key (needs STOCKD_REDIS_URL) and
     /// noisy-neighbour (fixed 32 + 8 clients, three phases of --duration-secs each; needs
     /// hostile-fuel-burner.wasm in --plugins-dir).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ceiling,hot-key,uniform,multi-line,replay-storm,reserve-confirm,row-lock,guarded-per-request"
+        default_value = "ceiling,hot-key,uniform,multi-line,replay-storm,reserve-confirm,row-lock,guarded-per-request,segmented"
     )]
     pub scenarios: Vec<String>,
     /// Write the results as JSON to this file.
@@ -171,6 +190,12 @@ pub struct ScenarioResult {
     pub ratio_to_ceiling: Option<f64>,
     pub ratio_to_row_lock: Option<f64>,
     pub ratio_to_guarded_per_request: Option<f64>,
+    /// Only for the baselines: orders refused while the stock as a whole was not gone (always 0
+    /// but for `segmented`, whose picked segment may be empty while others are not).
+    pub false_sold_outs: Option<u64>,
+    /// Only for the baselines: the stock's segments and sales ([`baseline::Report`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<baseline::Report>,
     /// Only for `noisy-neighbour`, whose row's own numbers are tenant B's under the fuel flood
     /// (the phase it is judged on): every phase, both tenants and the judged ratios.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -218,6 +243,8 @@ fn summarize(
         ratio_to_ceiling: None,
         ratio_to_row_lock: None,
         ratio_to_guarded_per_request: None,
+        false_sold_outs: None,
+        baseline: None,
         noisy_neighbour: None,
     }
 }
@@ -244,6 +271,7 @@ fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
         "ceiling" => Scenario::Http(Workload::Ceiling),
         "row-lock" => Scenario::Naive(Naive::RowLock),
         "guarded-per-request" => Scenario::Naive(Naive::Guarded),
+        "segmented" => Scenario::Naive(Naive::Segmented),
         redis_hot::NAME => Scenario::RedisHotKey,
         noisy::NAME => Scenario::NoisyNeighbour(noisy::read_fixture(plugins_dir)?),
         other => bail!("unknown scenario {other:?}"),
@@ -259,7 +287,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let mut server = match &args.url {
         Some(url) => Server::external(url, args.admin_token.clone())?.with_pid(args.server_pid),
-        None => Server::start(args.backend, &args.database_url).await?,
+        None => {
+            let admin_url = args.database_url.as_deref().or(args.backend.default_admin_url());
+            Server::start(args.backend, admin_url).await?
+        }
     };
     let per_scenario = match args.orders {
         Some(n) => format!("{n} orders"),
@@ -368,15 +399,17 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                     continue;
                 };
                 eprintln!("bench: {} ...", n.name());
-                baseline::setup(db).await.with_context(|| format!("setting up {}", n.name()))?;
+                baseline::setup(db, *n).await.with_context(|| format!("setting up {}", n.name()))?;
                 let probe = storage::Probe::start(db).await;
-                let (stats, violations) = baseline::run(db, *n, args.clients, duration).await?;
+                let run = baseline::run(db, *n, args.clients, duration).await?;
                 let usage = match probe {
-                    Some(p) => p.finish(stats.ok).await,
+                    Some(p) => p.finish(run.stats.ok).await,
                     None => storage::Usage::default(),
                 };
-                let mut row = summarize(n.name(), args, stats, violations, None);
+                let mut row = summarize(n.name(), args, run.stats, run.violations, None);
                 row.storage = usage;
+                row.false_sold_outs = Some(run.report.false_sold_outs);
+                row.baseline = Some(run.report);
                 results.push(row);
             }
         }
@@ -457,23 +490,23 @@ fn print_table(results: &[ScenarioResult]) {
 }
 
 /// The storage columns: bytes per order and, on SQLite, the WAL file's peak in MiB, or on
-/// PostgreSQL the WAL written per order in bytes.
+/// PostgreSQL the WAL (on MySQL the InnoDB redo log) written per order in bytes.
 fn storage_cells(r: &ScenarioResult) -> (String, String) {
     let per_order = r.storage.bytes_per_order.map_or_else(|| "-".into(), |b| format!("{b:.0}"));
     let wal = match r.backend {
         Backend::Sqlite => r.storage.wal_peak_bytes.map(|b| format!("{:.1}", b as f64 / (1024.0 * 1024.0))),
-        Backend::Postgres => r.storage.wal_bytes_per_order.map(|b| format!("{b:.0}")),
+        Backend::Postgres | Backend::Mysql => r.storage.wal_bytes_per_order.map(|b| format!("{b:.0}")),
     };
     (per_order, wal.unwrap_or_else(|| "-".into()))
 }
 
 fn print_main_table(results: &[&ScenarioResult]) {
     let wal_header = match results.first().map(|r| r.backend) {
-        Some(Backend::Postgres) => "walB/ord",
+        Some(Backend::Postgres | Backend::Mysql) => "walB/ord",
         _ => "wal MiB",
     };
     println!(
-        "{:<20} {:>8} {:>7} {:>7} {:>7} {:>8} {:>7} {:>9} {:>7} {:>8} {:>6} {:>8} {:>8} {:>4} {:>8}  rejections",
+        "{:<20} {:>8} {:>7} {:>7} {:>7} {:>8} {:>7} {:>9} {:>7} {:>8} {:>6} {:>8} {:>8} {:>4} {:>8} {:>8}  rejections",
         "scenario",
         "ok/s",
         "p50 ms",
@@ -488,12 +521,13 @@ fn print_main_table(results: &[&ScenarioResult]) {
         "xrowlock",
         "xguarded",
         "inv",
-        "replayed"
+        "replayed",
+        "false SO"
     );
     for r in results {
         let (per_order, wal) = storage_cells(r);
         println!(
-            "{:<20} {:>8.0} {:>7} {:>7} {:>7} {:>8} {:>7} {:>9} {:>7} {:>8} {:>6} {:>8} {:>8} {:>4} {:>8}  {}",
+            "{:<20} {:>8.0} {:>7} {:>7} {:>7} {:>8} {:>7} {:>9} {:>7} {:>8} {:>6} {:>8} {:>8} {:>4} {:>8} {:>8}  {}",
             r.scenario,
             r.ok_per_sec,
             ms(r.p50_us),
@@ -509,6 +543,7 @@ fn print_main_table(results: &[&ScenarioResult]) {
             ratio(r.ratio_to_guarded_per_request),
             if r.invariants_ok { "ok" } else { "FAIL" },
             r.replayed,
+            r.false_sold_outs.map_or_else(|| "-".into(), |n| n.to_string()),
             counts(&r.rejections)
         );
     }

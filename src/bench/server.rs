@@ -1,6 +1,6 @@
 //! The server under test: a child process of the current executable on a free port with a
-//! fresh database (SQLite file in a temp dir, or a fresh PostgreSQL database that is dropped at
-//! the end), or an already running server given by `--url`.
+//! fresh database (SQLite file in a temp dir, or a fresh PostgreSQL or MySQL database that is
+//! dropped at the end), or an already running server given by `--url`.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -8,6 +8,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use sqlx::mysql::MySqlConnectOptions;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -22,6 +23,89 @@ pub enum DbAccess {
     Sqlite(PathBuf),
     /// URL of the fresh PostgreSQL database the server uses.
     Postgres(String),
+    /// URL of the fresh MySQL (or MariaDB) database the server uses.
+    Mysql(String),
+}
+
+/// The database servers the bench creates a database on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DbServer {
+    Postgres,
+    Mysql,
+}
+
+/// A database the bench created on a server (PostgreSQL or MySQL) and drops at the end (not
+/// `Clone`: it is dropped once).
+#[derive(Debug)]
+pub struct FreshDatabase {
+    server: DbServer,
+    admin_url: String,
+    name: String,
+    /// The URL of the new database: `admin_url` with its database name replaced.
+    pub url: String,
+}
+
+impl FreshDatabase {
+    /// Creates `stockd_bench_<random>` through `admin_url` (any database of the server).
+    pub async fn create(backend: Backend, admin_url: &str) -> anyhow::Result<Self> {
+        let server = match backend {
+            Backend::Postgres => DbServer::Postgres,
+            Backend::Mysql => DbServer::Mysql,
+            Backend::Sqlite => bail!("a SQLite database is a file, not created on a server"),
+        };
+        let name = format!("stockd_bench_{}", random_hex(6));
+        // The name is ours (letters, digits, underscores): no quoting needed on either server.
+        let sql = format!("CREATE DATABASE {name}");
+        let created = async {
+            match server {
+                DbServer::Postgres => {
+                    let mut conn = PgConnectOptions::from_str(admin_url)?.connect().await?;
+                    sqlx::query(&sql).execute(&mut conn).await?;
+                    conn.close().await
+                }
+                DbServer::Mysql => {
+                    let mut conn = MySqlConnectOptions::from_str(admin_url)?.connect().await?;
+                    sqlx::query(&sql).execute(&mut conn).await?;
+                    conn.close().await
+                }
+            }
+        };
+        created.await.with_context(|| format!("creating database {name} through {admin_url}"))?;
+        let url = with_database(admin_url, &name);
+        Ok(Self { server, admin_url: admin_url.to_string(), name, url })
+    }
+
+    /// How the bench reaches the database itself.
+    pub fn access(&self) -> DbAccess {
+        match self.server {
+            DbServer::Postgres => DbAccess::Postgres(self.url.clone()),
+            DbServer::Mysql => DbAccess::Mysql(self.url.clone()),
+        }
+    }
+
+    /// Drops the database. PostgreSQL's connections to it are ended first; MySQL waits for
+    /// the open transactions on its tables, and its connections' next statements then fail.
+    pub async fn drop_database(self) {
+        let dropped = async {
+            match self.server {
+                DbServer::Postgres => {
+                    let mut conn = PgConnectOptions::from_str(&self.admin_url)?.connect().await?;
+                    sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
+                        .execute(&mut conn)
+                        .await?;
+                    conn.close().await
+                }
+                DbServer::Mysql => {
+                    let mut conn = MySqlConnectOptions::from_str(&self.admin_url)?.connect().await?;
+                    sqlx::query(&format!("DROP DATABASE IF EXISTS {}", self.name)).execute(&mut conn).await?;
+                    conn.close().await
+                }
+            }
+        };
+        if let Err(err) = dropped.await {
+            eprintln!("bench: could not drop database {}: {err}", self.name);
+        }
+    }
 }
 
 /// A running (or external) server and what is needed to clean up after it.
@@ -36,7 +120,7 @@ pub struct Server {
     pub db: Option<DbAccess>,
     child: Option<Child>,
     temp_dir: Option<PathBuf>,
-    pg_drop: Option<(String, String)>,
+    fresh: Option<FreshDatabase>,
 }
 
 /// A process's CPU time so far (user + system, µs): fields 14 and 15 of `/proc/<pid>/stat`,
@@ -57,7 +141,7 @@ pub fn random_hex(bytes: usize) -> String {
     hex::encode(raw)
 }
 
-/// Replaces the database name (the URL path) of a PostgreSQL URL.
+/// Replaces the database name (the URL path) of a PostgreSQL or MySQL URL.
 fn with_database(url: &str, db: &str) -> String {
     let (base, query) = match url.split_once('?') {
         Some((b, q)) => (b, format!("?{q}")),
@@ -77,7 +161,7 @@ impl Server {
             bail!("--url must target 127.0.0.1 (got {url})");
         }
         let admin_token = admin_token.context("--url needs --admin-token (or STOCKD_ADMIN_TOKEN)")?;
-        Ok(Self { base, admin_token, pid: None, db: None, child: None, temp_dir: None, pg_drop: None })
+        Ok(Self { base, admin_token, pid: None, db: None, child: None, temp_dir: None, fresh: None })
     }
 
     /// Measures the CPU time and RSS of the process `pid` (an external server's).
@@ -87,26 +171,20 @@ impl Server {
     }
 
     /// Starts `stockd serve` as a child process on a fresh database and waits until it listens.
-    pub async fn start(backend: Backend, admin_db_url: &str) -> anyhow::Result<Self> {
+    /// `admin_db_url` is the server a PostgreSQL or MySQL database is created on.
+    pub async fn start(backend: Backend, admin_db_url: Option<&str>) -> anyhow::Result<Self> {
         let admin_token = random_hex(24);
-        let (db_url, db, temp_dir, pg_drop) = match backend {
+        let (db_url, db, temp_dir, fresh) = match backend {
             Backend::Sqlite => {
                 let dir = std::env::temp_dir().join(format!("stockd-bench-{}", random_hex(6)));
                 std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
                 let file = dir.join("bench.db");
                 (format!("sqlite://{}", file.display()), DbAccess::Sqlite(file), Some(dir), None)
             }
-            Backend::Postgres => {
-                let name = format!("stockd_bench_{}", random_hex(6));
-                let opts = PgConnectOptions::from_str(admin_db_url).context("parsing --database-url")?;
-                let mut conn = opts.connect().await.with_context(|| format!("connecting to {admin_db_url}"))?;
-                sqlx::query(&format!("CREATE DATABASE {name}"))
-                    .execute(&mut conn)
-                    .await
-                    .with_context(|| format!("creating database {name}"))?;
-                conn.close().await.ok();
-                let url = with_database(admin_db_url, &name);
-                (url.clone(), DbAccess::Postgres(url), None, Some((admin_db_url.to_string(), name)))
+            Backend::Postgres | Backend::Mysql => {
+                let admin_db_url = admin_db_url.context("--database-url is needed for this backend")?;
+                let fresh = FreshDatabase::create(backend, admin_db_url).await?;
+                (fresh.url.clone(), fresh.access(), None, Some(fresh))
             }
         };
         let exe = std::env::current_exe().context("locating the stockd executable")?;
@@ -126,7 +204,7 @@ impl Server {
         let stdout = child.stdout.take().context("server stdout")?;
         let mut lines = BufReader::new(stdout).lines();
         let mut server =
-            Self { base: String::new(), admin_token, pid, db: Some(db), child: Some(child), temp_dir, pg_drop };
+            Self { base: String::new(), admin_token, pid, db: Some(db), child: Some(child), temp_dir, fresh };
         let wait = async {
             while let Some(line) = lines.next_line().await? {
                 if let Some(addr) = line.trim().strip_prefix("listening on ") {
@@ -168,7 +246,7 @@ impl Server {
         line.split_whitespace().nth(1)?.parse().ok()
     }
 
-    /// Stops the child, removes the temp dir and drops the PostgreSQL database.
+    /// Stops the child, removes the temp dir and drops the PostgreSQL or MySQL database.
     pub async fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.start_kill();
@@ -177,16 +255,8 @@ impl Server {
         if let Some(dir) = self.temp_dir.take() {
             let _ = std::fs::remove_dir_all(dir);
         }
-        if let Some((admin_url, name)) = self.pg_drop.take() {
-            let dropped = async {
-                let mut conn = PgConnectOptions::from_str(&admin_url)?.connect().await?;
-                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
-                conn.close().await?;
-                Ok::<_, sqlx::Error>(())
-            };
-            if let Err(err) = dropped.await {
-                eprintln!("bench: could not drop database {name}: {err}");
-            }
+        if let Some(fresh) = self.fresh.take() {
+            fresh.drop_database().await;
         }
     }
 }
@@ -203,5 +273,6 @@ mod tests {
         );
         assert_eq!(with_database("postgres://u@h:1", "b"), "postgres://u@h:1/b");
         assert_eq!(with_database("postgres://u@h/x?sslmode=disable", "b"), "postgres://u@h/b?sslmode=disable");
+        assert_eq!(with_database("mysql://root@127.0.0.1:3306/mysql", "b"), "mysql://root@127.0.0.1:3306/b");
     }
 }

@@ -21,6 +21,13 @@
 //!   ledger, events, reservations, the baselines' tables, ...), and the WAL written as the
 //!   `pg_current_wal_lsn()` delta. The LSN is the whole cluster's: another database busy on the
 //!   same PostgreSQL server during the load counts too.
+//! - MySQL (InnoDB): `ANALYZE TABLE` over every table of the database, which recounts the pages
+//!   each table's indexes hold, then `data_length + index_length` from
+//!   `information_schema.TABLES`. InnoDB reserves a table's pages one at a time for its first 32,
+//!   then by extents of 64 (1 MiB with 16 KiB pages), so a growing table grows by steps: measure
+//!   enough orders that a few MiB are written. The redo log written is the delta of the
+//!   `Innodb_os_log_written` status counter, the whole server's like PostgreSQL's LSN; no figure
+//!   when the server does not have that counter.
 //!
 //! Sizes are taken right after the load (the server answered every request after its commit), or
 //! for `redis-hot-key` once the settlement backlog drained (the WAL is sampled until then too).
@@ -32,6 +39,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use serde::Serialize;
+use sqlx::mysql::MySqlConnectOptions;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, Row};
 use tokio::sync::oneshot;
@@ -52,7 +60,7 @@ struct Footprint {
     total_bytes: u64,
     /// Bytes of each table, its indexes included.
     by_table: BTreeMap<String, u64>,
-    /// PostgreSQL's WAL position, in bytes since `0/0`.
+    /// PostgreSQL's WAL position, in bytes since `0/0`; MySQL's redo bytes written since start.
     wal_lsn: Option<u64>,
 }
 
@@ -67,7 +75,8 @@ pub struct Usage {
     pub wal_peak_bytes: Option<u64>,
     /// SQLite: length of the WAL in use when the load ended.
     pub wal_end_bytes: Option<u64>,
-    /// PostgreSQL: WAL written over the scenario (the cluster's) / successful operations.
+    /// PostgreSQL: WAL written over the scenario (the cluster's) / successful operations;
+    /// MySQL: InnoDB redo log written (the server's) / successful operations.
     pub wal_bytes_per_order: Option<f64>,
 }
 
@@ -91,7 +100,7 @@ impl Probe {
         };
         let sampler = match db {
             DbAccess::Sqlite(path) => Some(WalSampler::start(shm_path(path))),
-            DbAccess::Postgres(_) => None,
+            DbAccess::Postgres(_) | DbAccess::Mysql(_) => None,
         };
         Some(Self { db: db.clone(), before, sampler })
     }
@@ -177,6 +186,7 @@ async fn footprint(db: &DbAccess) -> anyhow::Result<Footprint> {
             tokio::task::spawn_blocking(move || sqlite_footprint(&path)).await.context("SQLite size task")?
         }
         DbAccess::Postgres(url) => postgres_footprint(url).await,
+        DbAccess::Mysql(url) => mysql_footprint(url).await,
     }
 }
 
@@ -249,6 +259,49 @@ async fn postgres_footprint(url: &str) -> anyhow::Result<Footprint> {
         .context("reading the WAL position")?;
     conn.close().await.ok();
     Ok(Footprint { total_bytes: by_table.values().sum(), by_table, wal_lsn: u64::try_from(lsn).ok() })
+}
+
+/// Recounts and sizes every table of the database, and reads the redo bytes written so far.
+async fn mysql_footprint(url: &str) -> anyhow::Result<Footprint> {
+    let mut conn = MySqlConnectOptions::from_str(url)
+        .context("parsing the bench database URL")?
+        .connect()
+        .await
+        .context("connecting to measure the database")?;
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT CAST(table_name AS CHAR) FROM information_schema.TABLES
+         WHERE table_schema = DATABASE() AND table_type = 'BASE TABLE'",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .context("listing the tables")?;
+    if !tables.is_empty() {
+        // The statistics information_schema reports are refreshed by this, not by the writes.
+        let list = tables.iter().map(|t| format!("`{}`", t.replace('`', "``"))).collect::<Vec<_>>().join(", ");
+        sqlx::query(&format!("ANALYZE TABLE {list}")).fetch_all(&mut conn).await.context("analyzing the tables")?;
+    }
+    let rows = sqlx::query(
+        "SELECT CAST(table_name AS CHAR), CAST(COALESCE(data_length, 0) + COALESCE(index_length, 0) AS UNSIGNED)
+         FROM information_schema.TABLES WHERE table_schema = DATABASE() AND table_type = 'BASE TABLE'",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .context("sizing the tables")?;
+    let mut by_table = BTreeMap::new();
+    for row in rows {
+        let (name, bytes): (String, u64) = (row.try_get(0)?, row.try_get(1)?);
+        by_table.insert(name, bytes);
+    }
+    let redo = sqlx::query("SHOW GLOBAL STATUS LIKE 'Innodb_os_log_written'")
+        .fetch_optional(&mut conn)
+        .await
+        .context("reading the redo log counter")?;
+    let redo_bytes = match redo {
+        Some(row) => row.try_get::<String, _>(1).ok().and_then(|v| v.parse::<u64>().ok()),
+        None => None,
+    };
+    conn.close().await.ok();
+    Ok(Footprint { total_bytes: by_table.values().sum(), by_table, wal_lsn: redo_bytes })
 }
 
 /// Samples the WAL in use (through the `-shm` file) in the background until stopped.

@@ -49,8 +49,9 @@ pub(crate) async fn bench(args: &[&str]) -> (String, Value) {
     (stdout, report)
 }
 
-/// A one-second run of the hot key, the HTTP ceiling and both baselines passes its own
-/// invariant checks and reports every scenario it ran.
+/// A one-second run of the hot key, the HTTP ceiling and the three baselines passes its own
+/// invariant checks and reports every scenario it ran; the segmented baseline reports its
+/// stock's sales and its false sold-outs, and only it refuses orders while stock remains.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_bench_run_checks_its_invariants_and_reports_every_scenario() {
     let (stdout, report) = bench(&[
@@ -59,11 +60,11 @@ async fn a_short_bench_run_checks_its_invariants_and_reports_every_scenario() {
         "--duration-secs",
         "1",
         "--scenarios",
-        "ceiling,hot-key,row-lock,guarded-per-request",
+        "ceiling,hot-key,row-lock,guarded-per-request,segmented",
     ])
     .await;
     let text = report.to_string();
-    for scenario in ["ceiling", "hot-key", "row-lock", "guarded-per-request"] {
+    for scenario in ["ceiling", "hot-key", "row-lock", "guarded-per-request", "segmented"] {
         assert!(text.contains(scenario), "{scenario} is in the report: {text}");
         assert!(stdout.contains(scenario), "{scenario} is in the table: {stdout}");
     }
@@ -76,6 +77,31 @@ async fn a_short_bench_run_checks_its_invariants_and_reports_every_scenario() {
     }
     assert_eq!(row("row-lock")["server_cpu_us_per_op"], Value::Null, "a baseline does not load the server");
     assert!(stdout.contains("cpu us/op"), "{stdout}");
+
+    // The baselines' stock: one row that never runs out, or 100 segments of 10 units per sale.
+    assert_eq!(row("hot-key")["false_sold_outs"], Value::Null, "not counted over HTTP: {text}");
+    for name in ["row-lock", "guarded-per-request"] {
+        let r = row(name);
+        assert_eq!(r["false_sold_outs"], 0, "{name}: {r}");
+        assert_eq!((r["baseline"]["segments"].clone(), r["baseline"]["sales"].clone()), (json!(1), json!(1)), "{r}");
+    }
+    let segmented = row("segmented");
+    assert_eq!(segmented["invariants_ok"], true, "{segmented}");
+    assert_eq!(segmented["violations"], json!([]), "{segmented}");
+    let stock = &segmented["baseline"];
+    assert_eq!((stock["segments"].clone(), stock["units_per_segment"].clone()), (json!(100), json!(10)), "{stock}");
+    let sales = stock["sales"].as_i64().expect("the number of sales");
+    assert!(sales >= 1, "{stock}");
+    assert_eq!(stock["units_stocked"].as_i64(), Some(sales * 1_000), "every sale stocks 100 x 10 units: {stock}");
+    let false_sold_outs = segmented["false_sold_outs"].as_u64().expect("false sold-outs are counted");
+    assert_eq!(stock["false_sold_outs"].as_u64(), Some(false_sold_outs), "{segmented}");
+    assert_eq!(segmented["rejections"]["false_sold_out"].as_u64().unwrap_or(0), false_sold_outs, "{segmented}");
+    // A sale that ended emptied its 100 segments one after another: orders were refused on the
+    // empty ones before the last unit went.
+    if sales > 1 {
+        assert!(false_sold_outs > 0, "{segmented}");
+    }
+    assert!(stdout.contains("false SO"), "{stdout}");
 }
 
 /// A one-second-per-phase noisy-neighbour run uploads the fuel burner for tenant A, reports
