@@ -107,10 +107,11 @@ async fn concurrent_replays_sent_to_different_processes_apply_once() {
 }
 
 /// Multi-line orders listing the same keys in opposite orders, from clients on three
-/// processes: no deadlock surfaces as an error, and the sums are exact.
+/// processes: the sums are exact, and no batch deadlocked another process's batch (every
+/// process locks a batch's rows in one global order before it writes), so none was retried.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_line_orders_in_opposite_orders_across_processes_are_exact() {
-    let (_apps, shops) = cluster(AppOptions::default()).await;
+    let (apps, shops) = cluster(AppOptions::default()).await;
     let keys = ["k-1", "k-2", "k-3"];
     for key in keys {
         shops[0].create_resource(key, 90).await;
@@ -143,6 +144,11 @@ async fn multi_line_orders_in_opposite_orders_across_processes_are_exact() {
         shops[1].assert_ledger_replays_to_state(key).await;
     }
     shops[2].assert_reconciliation_clean(3).await;
+    for app in &apps {
+        let metrics = app.get_anonymous("/metrics").await.text;
+        let retried = metrics.lines().filter(|l| l.starts_with("stockd_batch_retries_total")).collect::<Vec<_>>();
+        assert!(retried.iter().all(|l| l.ends_with(" 0")), "no batch was rerun: {retried:?}");
+    }
 }
 
 /// Three sweepers racing over the same due reservations: each expires exactly once.
