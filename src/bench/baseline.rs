@@ -114,7 +114,7 @@ enum Take {
 
 /// What one request came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outcome {
+pub(super) enum Outcome {
     /// A unit was taken and its ledger row written.
     Sold,
     /// Refused: the whole stock was gone (the next sale was then started).
@@ -190,7 +190,9 @@ fn elapsed_us(started: Instant) -> u32 {
     u32::try_from(started.elapsed().as_micros()).unwrap_or(u32::MAX)
 }
 
-fn note(stats: &mut Stats, started: Instant, result: Result<Outcome, String>) {
+/// Counts one request's answer and latency: a sale consumes its unit; a refusal is counted
+/// under its reason ([`SOLD_OUT`], [`FALSE_SOLD_OUT`] or the error).
+pub(super) fn note(stats: &mut Stats, started: Instant, result: Result<Outcome, String>) {
     stats.latencies_us.push(elapsed_us(started));
     stats.requests += 1;
     let reason = match result {
@@ -261,9 +263,15 @@ fn invariants(which: Naive, t: &Tally, stats: &Stats) -> Vec<String> {
     problems
 }
 
-/// Runs `once(request_id, segment)` in `clients` closed loops until `duration` has passed, each
-/// with a segment picked at random among `which`'s.
-async fn drive<F, Fut>(which: Naive, clients: usize, duration: Duration, once: F) -> anyhow::Result<Stats>
+/// Runs `once(request_id, segment)` of the baseline `name` in `clients` closed loops until
+/// `duration` has passed, each with a segment picked at random among `segments`.
+pub(super) async fn drive<F, Fut>(
+    name: &'static str,
+    segments: i64,
+    clients: usize,
+    duration: Duration,
+    once: F,
+) -> anyhow::Result<Stats>
 where
     F: Fn(String, i64) -> Fut + Clone + Send + 'static,
     Fut: Future<Output = Result<Outcome, String>> + Send,
@@ -278,9 +286,9 @@ where
                 let mut i = 0u64;
                 while Instant::now() < deadline {
                     i += 1;
-                    let segment = rand::random_range(0..which.segments());
+                    let segment = rand::random_range(0..segments);
                     let t0 = Instant::now();
-                    let result = once(format!("{}-{task}-{i}", which.name()), segment).await;
+                    let result = once(format!("{name}-{task}-{i}"), segment).await;
                     note(&mut stats, t0, result);
                 }
                 stats
@@ -720,7 +728,7 @@ where
 {
     let pool = connect::<DB>(url, clients).await?;
     let shared = pool.clone();
-    let stats = drive(which, clients, duration, move |request_id, segment| {
+    let stats = drive(which.name(), which.segments(), clients, duration, move |request_id, segment| {
         let pool = shared.clone();
         async move { sqlx_once(&pool, d, which, request_id, segment).await.map_err(|e| sqlx_reason(d.name, &e)) }
     })

@@ -21,6 +21,8 @@ use super::Stats;
 pub enum Workload {
     /// One key, qty 1.
     HotKey,
+    /// The hot key's shape on a resource split over [`HOT_KEY_BUCKETS`] bucket rows.
+    HotKeyBuckets,
     /// 10,000 keys, qty 1.
     Uniform,
     /// 5 lines over 1,000 keys.
@@ -39,7 +41,7 @@ impl Workload {
     /// How many resources the workload spreads over.
     pub fn keys(self) -> usize {
         match self {
-            Self::HotKey => 1,
+            Self::HotKey | Self::HotKeyBuckets => 1,
             Self::Uniform => 10_000,
             Self::MultiLine | Self::ReplayStorm | Self::ReserveConfirm | Self::DeductReverse => 1_000,
             Self::Ceiling => 0,
@@ -50,6 +52,7 @@ impl Workload {
     pub fn name(self) -> &'static str {
         match self {
             Self::HotKey => "hot-key",
+            Self::HotKeyBuckets => "hot-key-buckets",
             Self::Uniform => "uniform",
             Self::MultiLine => "multi-line",
             Self::ReplayStorm => "replay-storm",
@@ -58,7 +61,19 @@ impl Workload {
             Self::Ceiling => "ceiling",
         }
     }
+
+    /// The `buckets` each resource is created with; `None`: the server's default (one row).
+    pub fn buckets(self) -> Option<i64> {
+        match self {
+            Self::HotKeyBuckets => Some(HOT_KEY_BUCKETS),
+            _ => None,
+        }
+    }
 }
+
+/// Bucket rows of `hot-key-buckets`' resource: the counters split so that concurrent orders of
+/// one SKU lock different rows.
+pub const HOT_KEY_BUCKETS: i64 = 16;
 
 /// Opening total of each resource: large enough never to run out in a bench run.
 pub const TOTAL: i64 = 1_000_000_000_000;
@@ -132,22 +147,21 @@ pub async fn create_tenant(client: &Client, base: &str, admin_token: &str) -> an
 /// Creates the workload's resources (64 at a time).
 pub async fn create_resources(t: &Target, w: Workload) -> anyhow::Result<()> {
     let results: Vec<anyhow::Result<()>> = futures::stream::iter(0..w.keys())
-        .map(|i| async move { create_resource(t, &key_of(w, i)).await })
+        .map(|i| async move { create_resource(t, &key_of(w, i), w.buckets()).await })
         .buffer_unordered(64)
         .collect()
         .await;
     results.into_iter().collect::<anyhow::Result<Vec<()>>>().map(|_| ())
 }
 
-/// Creates one inventory resource of [`TOTAL`] units (an existing one is left as it is).
-pub async fn create_resource(t: &Target, key: &str) -> anyhow::Result<()> {
-    let resp = t
-        .client
-        .post(format!("{}/v1/resources", t.base))
-        .bearer_auth(&t.api_key)
-        .json(&json!({"key": key, "kind": "inventory", "total": TOTAL}))
-        .send()
-        .await?;
+/// Creates one inventory resource of [`TOTAL`] units over `buckets` bucket rows (`None`: the
+/// server's default); an existing one is left as it is.
+pub async fn create_resource(t: &Target, key: &str, buckets: Option<i64>) -> anyhow::Result<()> {
+    let mut body = json!({"key": key, "kind": "inventory", "total": TOTAL});
+    if let Some(n) = buckets {
+        body["buckets"] = json!(n);
+    }
+    let resp = t.client.post(format!("{}/v1/resources", t.base)).bearer_auth(&t.api_key).json(&body).send().await?;
     let status = resp.status();
     if status != StatusCode::CREATED && status != StatusCode::CONFLICT {
         bail!("creating {key}: {status} {}", resp.text().await.unwrap_or_default());
@@ -244,7 +258,7 @@ async fn client_loop(t: Arc<Target>, w: Workload, task: usize, stop: Stop) -> St
                 let outcome = classify(resp).await;
                 record(&mut stats, started, &outcome);
             }
-            Workload::HotKey | Workload::Uniform => {
+            Workload::HotKey | Workload::HotKeyBuckets | Workload::Uniform => {
                 let key = key_of(w, rng.random_range(0..w.keys()));
                 let outcome = order(&t, &idem, &order_body(&idem, "deduct", &[key])).await;
                 if outcome.ok {
@@ -386,6 +400,15 @@ pub async fn check(t: &Target, w: Workload, stats: &Stats) -> anyhow::Result<Vec
     if w == Workload::ReserveConfirm && reserved != 0 {
         problems.push(format!("{reserved} still reserved after every reservation was confirmed or released"));
     }
+    if let Some(expected) = w.buckets() {
+        for i in 0..w.keys() {
+            let key = key_of(w, i);
+            let state = get_json(t, &format!("/v1/resources/{key}")).await?;
+            if state["buckets"].as_i64() != Some(expected) {
+                problems.push(format!("{key}: buckets {} != {expected}", state["buckets"]));
+            }
+        }
+    }
     Ok(problems)
 }
 
@@ -432,18 +455,15 @@ pub async fn check_keys(
     if consumed != consumed_expected {
         problems.push(format!("consumed {consumed} != acknowledged successes {consumed_expected}"));
     }
-    let rec: Value = t
-        .client
-        .get(format!("{}/v1/reconciliation", t.base))
-        .bearer_auth(&t.api_key)
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await
-        .context("reconciliation")?;
+    let rec = get_json(t, "/v1/reconciliation").await?;
     if let Some(drift) = rec["drift"].as_array().filter(|d| !d.is_empty()) {
         problems.push(format!("reconciliation drift: {}", Value::Array(drift.clone())));
     }
     Ok((problems, reserved))
+}
+
+/// GETs a path of the tenant's API as JSON.
+pub(super) async fn get_json(t: &Target, path: &str) -> anyhow::Result<Value> {
+    let resp = t.client.get(format!("{}{path}", t.base)).bearer_auth(&t.api_key).send().await?;
+    resp.error_for_status()?.json().await.with_context(|| format!("GET {path}"))
 }

@@ -18,6 +18,12 @@
 //! stockd scenario (and `segmented`) is printed with its throughput ratio to the first three.
 //! `segmented` splits the stock over 100 rows and refuses an order when its row is empty: the
 //! `false SO` column (JSON `false_sold_outs`) counts those refusals made while stock remained.
+//! `redis-lua` ([`redis_lua`], needs `STOCKD_REDIS_URL`) is the classic Redis Lua pre-deduction
+//! design run the same way: one script per order on the Redis, the order queued on a stream.
+//!
+//! Against them, stockd's own designs for one hot SKU: `hot-key` (db mode, one row),
+//! `hot-key-buckets` (db mode, the resource split over 16 bucket rows) and `redis-hot-key`
+//! (redis mode, [`redis_hot`]).
 //!
 //! `noisy-neighbour` ([`noisy`]) is printed in a table of its own: one tenant's latency and
 //! throughput while another floods the server with cheap, then with fuel-burning plugin plans.
@@ -26,6 +32,7 @@ pub mod baseline;
 pub mod load;
 pub mod noisy;
 pub mod redis_hot;
+pub mod redis_lua;
 pub mod server;
 pub mod storage;
 
@@ -106,16 +113,18 @@ pub struct BenchArgs {
     /// A shell command run just after each HTTP scenario's load, before its checks (as above).
     #[arg(long)]
     pub exec_after_load: Option<String>,
-    /// Comma-separated scenarios: hot-key, uniform, multi-line, replay-storm, reserve-confirm,
-    /// deduct-reverse (each order deducts 2 and reverses 1), ceiling, row-lock,
-    /// guarded-per-request, segmented (stock split over 100 rows, 10 units each per sale);
-    /// and redis-hot-key (needs STOCKD_REDIS_URL) and
+    /// Comma-separated scenarios: hot-key, hot-key-buckets (hot-key on a resource of 16
+    /// buckets), uniform, multi-line, replay-storm, reserve-confirm, deduct-reverse (each order
+    /// deducts 2 and reverses 1), ceiling, row-lock, guarded-per-request, segmented (stock split
+    /// over 100 rows, 10 units each per sale); and redis-hot-key (needs STOCKD_REDIS_URL),
+    /// redis-lua (baseline: one Redis Lua script per order, DECRBY + XADD to a stream, 1,000
+    /// units per sale; needs STOCKD_REDIS_URL) and
     /// noisy-neighbour (fixed 32 + 8 clients, three phases of --duration-secs each; needs
     /// hostile-fuel-burner.wasm in --plugins-dir).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ceiling,hot-key,uniform,multi-line,replay-storm,reserve-confirm,row-lock,guarded-per-request,segmented"
+        default_value = "ceiling,hot-key,hot-key-buckets,uniform,multi-line,replay-storm,reserve-confirm,row-lock,guarded-per-request,segmented"
     )]
     pub scenarios: Vec<String>,
     /// Write the results as JSON to this file.
@@ -254,15 +263,18 @@ enum Scenario {
     Naive(Naive),
     /// The hot key in redis mode ([`redis_hot`]).
     RedisHotKey,
+    /// The Redis Lua pre-deduction baseline ([`redis_lua`]) on the Redis at this URL.
+    RedisLua(String),
     /// Tenant B while tenant A floods ([`noisy`]), with the fuel burner's bytes.
     NoisyNeighbour(Vec<u8>),
 }
 
-/// The scenario named `name`. Reads the plugins a scenario needs now, so a missing one stops
-/// the bench before it starts a server.
+/// The scenario named `name`. Reads the plugins and settings a scenario needs now, so a missing
+/// one stops the bench before it starts a server.
 fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
     Ok(match name.trim() {
         "hot-key" => Scenario::Http(Workload::HotKey),
+        "hot-key-buckets" => Scenario::Http(Workload::HotKeyBuckets),
         "uniform" => Scenario::Http(Workload::Uniform),
         "multi-line" => Scenario::Http(Workload::MultiLine),
         "replay-storm" => Scenario::Http(Workload::ReplayStorm),
@@ -273,6 +285,7 @@ fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
         "guarded-per-request" => Scenario::Naive(Naive::Guarded),
         "segmented" => Scenario::Naive(Naive::Segmented),
         redis_hot::NAME => Scenario::RedisHotKey,
+        redis_lua::NAME => Scenario::RedisLua(redis_lua::redis_url_from_env()?),
         noisy::NAME => Scenario::NoisyNeighbour(noisy::read_fixture(plugins_dir)?),
         other => bail!("unknown scenario {other:?}"),
     })
@@ -391,6 +404,16 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                     summarize(noisy::NAME, args, outcome.b_under_fuel_flood, outcome.violations, server.peak_rss_kib());
                 row.clients = noisy::B_CLIENTS;
                 row.noisy_neighbour = Some(outcome.report);
+                results.push(row);
+            }
+            Scenario::RedisLua(url) => {
+                eprintln!("bench: {} ...", redis_lua::NAME);
+                let run = redis_lua::run(url, args.clients, duration)
+                    .await
+                    .with_context(|| format!("running {}", redis_lua::NAME))?;
+                let mut row = summarize(redis_lua::NAME, args, run.stats, run.violations, None);
+                row.false_sold_outs = Some(run.report.false_sold_outs);
+                row.baseline = Some(run.report);
                 results.push(row);
             }
             Scenario::Naive(n) => {

@@ -170,7 +170,7 @@ impl Tenant {
         let api_key = load::create_tenant(&client, &server.base, &server.admin_token).await?;
         let target = Arc::new(Target { client, base: server.base.clone(), api_key });
         let key = format!("{NAME}:{name}");
-        load::create_resource(&target, &key).await?;
+        load::create_resource(&target, &key, None).await?;
         Ok(Self { target, key, clients, consumed_expected: 0 })
     }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
-use super::load::{self, Limit, Stop, Target, TOTAL};
+use super::load::{self, get_json, Limit, Stop, Target, TOTAL};
 use super::Stats;
 
 /// The scenario's name and its resource key.
@@ -72,12 +72,6 @@ pub async fn run(t: &Arc<Target>, clients: usize, limit: Limit) -> anyhow::Resul
     }
     total.elapsed = started.elapsed();
     Ok(total)
-}
-
-/// GETs a path of the tenant's API as JSON.
-async fn get_json(t: &Target, path: &str) -> anyhow::Result<Value> {
-    let resp = t.client.get(format!("{}{path}", t.base)).bearer_auth(&t.api_key).send().await?;
-    resp.error_for_status()?.json().await.with_context(|| format!("GET {path}"))
 }
 
 /// Waits for the backlog to settle, then checks the invariants; returns the violations.

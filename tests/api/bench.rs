@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::helpers::{mysql_admin_url, pg_admin_url, plugin_dist, Backend};
+use crate::helpers::{mysql_admin_url, pg_admin_url, plugin_dist, unique, Backend};
+use crate::redis_support::shared_redis_url;
 
 /// How long one short bench run may take, start-up and invariant checks included.
 const BENCH_DEADLINE: Duration = Duration::from_secs(120);
@@ -15,6 +16,12 @@ const BENCH_DEADLINE: Duration = Duration::from_secs(120);
 /// Runs `stockd bench` with `args` plus `--json` in a temporary directory against the suite's
 /// backend; asserts it succeeds within [`BENCH_DEADLINE`] and returns its table and JSON report.
 pub(crate) async fn bench(args: &[&str]) -> (String, Value) {
+    bench_with_env(args, &[]).await
+}
+
+/// [`bench`] with `env` set for the bench (and so for the server it starts); nothing else of
+/// Redis leaks in from the caller's shell.
+async fn bench_with_env(args: &[&str], env: &[(&str, &str)]) -> (String, Value) {
     let dir = tempfile::tempdir().expect("a temporary directory can be created");
     let json = dir.path().join("bench.json");
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_stockd"));
@@ -26,6 +33,9 @@ pub(crate) async fn bench(args: &[&str]) -> (String, Value) {
         .current_dir(dir.path())
         .env("RUST_LOG", "warn")
         .env_remove("STOCKD_ADMIN_TOKEN")
+        .env_remove("STOCKD_REDIS_URL")
+        .env_remove("STOCKD_REDIS_PREFIX")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .kill_on_drop(true);
     match Backend::from_env() {
@@ -49,29 +59,31 @@ pub(crate) async fn bench(args: &[&str]) -> (String, Value) {
     (stdout, report)
 }
 
-/// A one-second run of the hot key, the HTTP ceiling and the three baselines passes its own
-/// invariant checks and reports every scenario it ran; the segmented baseline reports its
-/// stock's sales and its false sold-outs, and only it refuses orders while stock remains.
+/// A one-second run of the hot key (on one row and on 16 buckets), the HTTP ceiling, the three
+/// database baselines and the Redis Lua baseline (on the suite's Redis) passes its own invariant
+/// checks and reports every scenario it ran; the segmented and Redis Lua baselines report their
+/// stock's sales and sold-outs, and only segmented refuses orders while stock remains.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_bench_run_checks_its_invariants_and_reports_every_scenario() {
-    let (stdout, report) = bench(&[
-        "--clients",
-        "8",
-        "--duration-secs",
-        "1",
-        "--scenarios",
-        "ceiling,hot-key,row-lock,guarded-per-request,segmented",
-    ])
+    let redis_url = shared_redis_url();
+    // The server the bench starts gets Redis too: under a prefix of its own.
+    let server_prefix = unique("bench");
+    let scenarios =
+        ["ceiling", "hot-key", "hot-key-buckets", "row-lock", "guarded-per-request", "segmented", "redis-lua"];
+    let (stdout, report) = bench_with_env(
+        &["--clients", "8", "--duration-secs", "1", "--scenarios", &scenarios.join(",")],
+        &[("STOCKD_REDIS_URL", &redis_url), ("STOCKD_REDIS_PREFIX", &server_prefix)],
+    )
     .await;
     let text = report.to_string();
-    for scenario in ["ceiling", "hot-key", "row-lock", "guarded-per-request", "segmented"] {
+    for scenario in scenarios {
         assert!(text.contains(scenario), "{scenario} is in the report: {text}");
         assert!(stdout.contains(scenario), "{scenario} is in the table: {stdout}");
     }
     // The server's CPU time per operation, for the scenarios that load it.
     let rows = report.as_array().expect("the report is an array of rows");
     let row = |name: &str| rows.iter().find(|r| r["scenario"] == name).cloned().unwrap_or_default();
-    for name in ["ceiling", "hot-key"] {
+    for name in ["ceiling", "hot-key", "hot-key-buckets"] {
         let cpu = row(name)["server_cpu_us_per_op"].as_f64();
         assert!(cpu.is_some_and(|us| us > 0.0 && us < 1_000_000.0), "{name}: cpu µs/op {cpu:?}: {text}");
     }
@@ -102,6 +114,64 @@ async fn a_short_bench_run_checks_its_invariants_and_reports_every_scenario() {
         assert!(false_sold_outs > 0, "{segmented}");
     }
     assert!(stdout.contains("false SO"), "{stdout}");
+
+    // hot-key-buckets: stockd's db mode on the hot key split over 16 bucket rows, checked like
+    // hot-key (its checks include the resource's bucket count).
+    let buckets = row("hot-key-buckets");
+    assert_eq!(
+        (buckets["invariants_ok"].clone(), buckets["violations"].clone()),
+        (json!(true), json!([])),
+        "{buckets}"
+    );
+    assert!(buckets["ok"].as_u64().is_some_and(|ok| ok > 0), "{buckets}");
+    assert_eq!(buckets["baseline"], Value::Null, "served over HTTP: {buckets}");
+
+    // redis-lua: a baseline on Redis, 1,000 units per sale on one key; never a false sold-out,
+    // and every unit stocked but those left was acknowledged (checked by the bench itself).
+    let lua = row("redis-lua");
+    assert_eq!((lua["invariants_ok"].clone(), lua["violations"].clone()), (json!(true), json!([])), "{lua}");
+    assert!(lua["ok"].as_u64().is_some_and(|ok| ok > 0), "{lua}");
+    assert_eq!(lua["server_cpu_us_per_op"], Value::Null, "a baseline does not load the server: {lua}");
+    assert_eq!(lua["false_sold_outs"], 0, "{lua}");
+    let stock = &lua["baseline"];
+    assert_eq!((stock["segments"].clone(), stock["units_per_segment"].clone()), (json!(1), json!(1_000)), "{stock}");
+    let sales = stock["sales"].as_i64().expect("the number of sales");
+    assert!(sales >= 1, "{stock}");
+    assert_eq!(stock["units_stocked"].as_i64(), Some(sales * 1_000), "every sale stocks 1,000 units: {stock}");
+    let sold_outs = stock["sold_outs"].as_u64().expect("sold-outs are counted");
+    assert_eq!(lua["rejections"]["insufficient"].as_u64().unwrap_or(0), sold_outs, "{lua}");
+    assert_eq!(lua["requests"].as_u64(), lua["ok"].as_u64().map(|ok| ok + sold_outs), "no request failed: {lua}");
+    assert!(sold_outs >= u64::try_from(sales - 1).unwrap_or(0), "each new sale follows a sold-out: {stock}");
+    let ok = lua["ok"].as_i64().expect("the ok count");
+    assert!(ok >= (sales - 1) * 1_000 && ok <= sales * 1_000, "{ok} sold over {sales} sales: {stock}");
+}
+
+/// Without STOCKD_REDIS_URL the redis-lua scenario refuses to start and names the variable.
+#[tokio::test]
+async fn redis_lua_without_a_redis_url_fails_naming_the_variable() {
+    let stderr = bench_refused(&["--scenarios", "redis-lua"]).await;
+    assert!(stderr.contains("STOCKD_REDIS_URL"), "names the variable: {stderr}");
+    assert!(stderr.contains("redis-lua"), "names the scenario: {stderr}");
+}
+
+/// Runs `stockd bench` with `args` and neither an admin token nor Redis in its environment;
+/// asserts it fails within [`BENCH_DEADLINE`] and returns what it wrote to stderr.
+async fn bench_refused(args: &[&str]) -> String {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_stockd"))
+        .arg("bench")
+        .args(args)
+        .env_remove("STOCKD_ADMIN_TOKEN")
+        .env_remove("STOCKD_REDIS_URL")
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(BENCH_DEADLINE, output)
+        .await
+        .expect("the bench stops within its deadline")
+        .expect("the stockd binary runs");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "the bench must fail: {stderr}");
+    stderr
 }
 
 /// A one-second-per-phase noisy-neighbour run uploads the fuel burner for tenant A, reports
@@ -146,19 +216,8 @@ async fn a_short_noisy_neighbour_run_reports_three_phases_and_clean_invariants()
 #[tokio::test]
 async fn noisy_neighbour_without_the_fixture_fails_with_how_to_build_it() {
     let empty = tempfile::tempdir().expect("a temporary directory can be created");
-    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_stockd"))
-        .args(["bench", "--scenarios", "noisy-neighbour", "--plugins-dir"])
-        .arg(empty.path())
-        .env_remove("STOCKD_ADMIN_TOKEN")
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .output();
-    let output = tokio::time::timeout(BENCH_DEADLINE, output)
-        .await
-        .expect("the bench stops within its deadline")
-        .expect("the stockd binary runs");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "the bench must fail: {stderr}");
+    let dir = empty.path().to_str().expect("the temporary directory is valid UTF-8");
+    let stderr = bench_refused(&["--scenarios", "noisy-neighbour", "--plugins-dir", dir]).await;
     assert!(stderr.contains("hostile-fuel-burner.wasm"), "names the missing file: {stderr}");
     assert!(stderr.contains("plugins/build.sh"), "says how to build it: {stderr}");
 }
