@@ -67,6 +67,44 @@ fn corrupt(what: &str) -> StorageError {
 pub const RESOURCE_COLUMNS: &str =
     "key, kind, status, available, reserved, consumed, total, buckets, mode, low_stock, mode_epoch, version, updated_at";
 
+/// The event columns every server-database backend selects.
+pub const EVENT_COLUMNS: &str = "id, tenant_id, seq, type, ordering_key, at, data";
+
+/// An event selected as [`EVENT_COLUMNS`]; committed events are always numbered.
+pub fn event(row: &dyn Columns) -> Result<crate::events::Event, StorageError> {
+    Ok(crate::events::Event {
+        id: row.text("id")?,
+        tenant: row.text("tenant_id")?,
+        seq: row.opt_int("seq")?.ok_or_else(|| StorageError::Internal("an unnumbered event was read".into()))?,
+        kind: row.text("type")?,
+        ordering_key: row.text("ordering_key")?,
+        at: row.int("at")?,
+        data: row.text("data")?,
+    })
+}
+
+/// The rows of a batch's locking read (`tenant_id, key, kind, status, mode, buckets, available,
+/// reserved, consumed, version, low_stock, stock`), by tenant and key, as admission reads them.
+pub fn locked_rows<R: Columns>(rows: &[R]) -> Result<crate::apply::port::LockedRows, StorageError> {
+    let mut locked = crate::apply::port::LockedRows::new();
+    for row in rows {
+        let parsed = crate::engine::admission::Row {
+            kind: Kind::from_db(&row.text("kind")?).ok_or_else(|| corrupt("resources.kind"))?,
+            active: row.text("status")? == ResourceStatus::Active.as_str(),
+            redis: row.text("mode")? == Mode::Redis.as_str(),
+            buckets: row.int("buckets")?,
+            available: row.int("available")?,
+            reserved: row.int("reserved")?,
+            consumed: row.int("consumed")?,
+            version: row.int("version")?,
+            low_stock: row.opt_int("low_stock")?,
+            stock: crate::events::StockBand::from_db(&row.text("stock")?).ok_or_else(|| corrupt("resources.stock"))?,
+        };
+        locked.entry(row.text("tenant_id")?).or_default().insert(row.text("key")?, parsed);
+    }
+    Ok(locked)
+}
+
 /// A resource selected as [`RESOURCE_COLUMNS`] (a bucketed one's buckets not folded in).
 pub fn resource(row: &dyn Columns) -> Result<ResourceState, StorageError> {
     let kind = Kind::from_db(&row.text("kind")?).ok_or_else(|| corrupt("resources.kind"))?;

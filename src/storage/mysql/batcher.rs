@@ -45,7 +45,7 @@ impl SqlBackend for My {
         conn: &'a mut MySqlConnection,
         rows: &'a [(String, String)],
     ) -> BoxFuture<'a, Result<LockedRows, StorageError>> {
-        Box::pin(async move { port::locked_rows(&lock_declared_rows(conn, rows).await?) })
+        Box::pin(async move { crate::storage::rows::locked_rows(&lock_declared_rows(conn, rows).await?) })
     }
 
     fn admit<'a>(

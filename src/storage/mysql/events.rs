@@ -5,10 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use sqlx::{MySqlConnection, Row};
 
-use crate::events::Event;
 use crate::storage::held_events;
-use crate::storage::rows::Columns;
-use crate::storage::StorageError;
 
 /// Inserts the events the attempt emitted, numbered in the order emitted, and returns their
 /// types: each tenant's sequence is bumped by its count (tenants in one order, so two sealing
@@ -70,20 +67,4 @@ pub(crate) async fn seal(conn: &mut MySqlConnection) -> Result<Vec<String>, sqlx
     }
     insert.execute(&mut *conn).await?;
     Ok(held.iter().map(|h| h.event.kind.as_str().to_string()).collect())
-}
-
-/// The columns [`event`] reads.
-pub(super) const EVENT_COLUMNS: &str = "id, tenant_id, seq, type, ordering_key, at, data";
-
-pub(super) fn event(row: &sqlx::mysql::MySqlRow) -> Result<Event, StorageError> {
-    let seq: Option<i64> = row.opt_int("seq")?;
-    Ok(Event {
-        id: row.text("id")?,
-        tenant: row.text("tenant_id")?,
-        seq: seq.ok_or_else(|| StorageError::Internal("an unnumbered event was read".into()))?,
-        kind: row.text("type")?,
-        ordering_key: row.text("ordering_key")?,
-        at: row.int("at")?,
-        data: row.text("data")?,
-    })
 }

@@ -587,14 +587,14 @@ impl Storage for MyStorage {
         };
         let sql = format!(
             "SELECT {} FROM events WHERE tenant_id = ? AND seq > ?{filter} ORDER BY seq LIMIT ?",
-            events::EVENT_COLUMNS
+            rows::EVENT_COLUMNS
         );
         let mut query = sqlx::query(&sql).bind(tenant.as_str()).bind(after);
         for t in types {
             query = query.bind(t.as_str());
         }
         let rows = query.bind(i64::from(limit)).fetch_all(&self.pool).await?;
-        rows.iter().map(events::event).collect()
+        rows.iter().map(|row| rows::event(row)).collect()
     }
 
     async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

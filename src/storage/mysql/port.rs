@@ -19,10 +19,9 @@ use sqlx::{MySql, MySqlConnection, Row as SqlRow};
 
 use super::sql::{bind_all, translate, Arg};
 use crate::apply::port::{
-    BatchWrites, Change, Claim, Counts, Entry, Gate, LockedRows, Move, NewReservation, Port, Row, Savepoint, View,
+    BatchWrites, Change, Claim, Counts, Entry, Gate, Move, NewReservation, Port, Row, Savepoint, View,
 };
 use crate::apply::reads::{LedgerRows, Reads};
-use crate::engine::admission::Row as AdmissionRow;
 use crate::engine::reversal::OrderEntries;
 use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
@@ -83,30 +82,6 @@ fn change_sql(row: Row, how: Move, gate: Gate) -> String {
              WHERE tenant_id = $3 AND resource_key = $4 AND bucket = $5 AND {guard}{extra}"
         ),
     }
-}
-
-/// Maps the rows of the batch's locking read (`tenant_id, key, kind, status, mode, buckets,
-/// available, reserved, consumed, version, low_stock, stock`).
-pub fn locked_rows(rows: &[MySqlRow]) -> Result<LockedRows, StorageError> {
-    let mut locked = LockedRows::new();
-    for row in rows {
-        let (kind, status, mode, stock) =
-            (row.text("kind")?, row.text("status")?, row.text("mode")?, row.text("stock")?);
-        let parsed = AdmissionRow {
-            kind: Kind::from_db(&kind).ok_or_else(|| corrupt("resources.kind"))?,
-            active: status == ResourceStatus::Active.as_str(),
-            redis: mode == Mode::Redis.as_str(),
-            buckets: row.try_get("buckets")?,
-            available: row.try_get("available")?,
-            reserved: row.try_get("reserved")?,
-            consumed: row.try_get("consumed")?,
-            version: row.try_get("version")?,
-            low_stock: row.try_get("low_stock")?,
-            stock: StockBand::from_db(&stock).ok_or_else(|| corrupt("resources.stock"))?,
-        };
-        locked.entry(row.text("tenant_id")?).or_default().insert(row.text("key")?, parsed);
-    }
-    Ok(locked)
 }
 
 /// Locks resource rows `(tenant, key)` in the batches' global order (tenant, then key, bytewise)

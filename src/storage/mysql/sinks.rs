@@ -13,10 +13,10 @@
 use async_trait::async_trait;
 use sqlx::{MySql, MySqlPool, Transaction};
 
-use super::events::{event, EVENT_COLUMNS};
 use crate::engine::TenantId;
 use crate::events::Event;
 use crate::storage::rows::Columns;
+use crate::storage::rows::{event, EVENT_COLUMNS};
 use crate::storage::{SinkBacklog, SinkClaim, StorageError};
 
 /// Tenants whose `event_seqs.last` is past the sink's cursor (none: 0), and the events behind in
@@ -98,7 +98,7 @@ impl SinkClaim for MyClaim {
         .bind(i64::from(limit))
         .fetch_all(&mut *self.tx)
         .await?;
-        rows.iter().map(event).collect()
+        rows.iter().map(|row| event(row)).collect()
     }
 
     async fn advance(self: Box<Self>, to: i64) -> Result<(), StorageError> {

@@ -4,7 +4,7 @@ use futures::future::BoxFuture;
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Postgres};
 
-use super::port::{self, PgPort};
+use super::port::PgPort;
 use crate::apply;
 use crate::apply::batch::{Decided, MoveJob};
 use crate::apply::port::LockedRows;
@@ -45,7 +45,7 @@ impl SqlBackend for Pg {
         conn: &'a mut PgConnection,
         rows: &'a [(String, String)],
     ) -> BoxFuture<'a, Result<LockedRows, StorageError>> {
-        Box::pin(async move { port::locked_rows(&lock_declared_rows(conn, rows).await?) })
+        Box::pin(async move { crate::storage::rows::locked_rows(&lock_declared_rows(conn, rows).await?) })
     }
 
     fn admit<'a>(

@@ -1,11 +1,9 @@
 //! The outbox on PostgreSQL: numbering a batch attempt's held events at its end
 //! ([`crate::storage::held_events`]) in one statement, and reading the feed.
 
-use sqlx::{PgConnection, Row};
+use sqlx::PgConnection;
 
-use crate::events::Event;
 use crate::storage::held_events::{self, Held};
-use crate::storage::StorageError;
 
 /// Inserts the events the attempt emitted, numbered in the order emitted, and returns their
 /// types: each tenant's sequence is bumped by its count (tenants in one order, so two sealing
@@ -44,20 +42,4 @@ pub(crate) async fn seal(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::E
     .bind(col(&held, |h| h.event.data.clone()))
     .fetch_all(conn)
     .await
-}
-
-/// The columns [`event`] reads.
-pub(super) const EVENT_COLUMNS: &str = "id, tenant_id, seq, type, ordering_key, at, data";
-
-pub(super) fn event(row: &sqlx::postgres::PgRow) -> Result<Event, StorageError> {
-    let seq: Option<i64> = row.try_get("seq")?;
-    Ok(Event {
-        id: row.try_get("id")?,
-        tenant: row.try_get("tenant_id")?,
-        seq: seq.ok_or_else(|| StorageError::Internal("an unnumbered event was read".into()))?,
-        kind: row.try_get("type")?,
-        ordering_key: row.try_get("ordering_key")?,
-        at: row.try_get("at")?,
-        data: row.try_get("data")?,
-    })
 }

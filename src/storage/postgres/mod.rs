@@ -557,7 +557,7 @@ impl Storage for PgStorage {
             "SELECT {} FROM events
              WHERE tenant_id = $1 AND seq > $2 AND (cardinality($3::text[]) = 0 OR type = ANY($3))
              ORDER BY seq LIMIT $4",
-            events::EVENT_COLUMNS
+            rows::EVENT_COLUMNS
         ))
         .bind(tenant.as_str())
         .bind(after)
@@ -565,7 +565,7 @@ impl Storage for PgStorage {
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(events::event).collect()
+        rows.iter().map(|row| rows::event(row)).collect()
     }
 
     async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

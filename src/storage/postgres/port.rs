@@ -14,10 +14,9 @@ use std::collections::HashMap;
 use sqlx::{PgConnection, Row as SqlRow};
 
 use crate::apply::port::{
-    BatchWrites, Change, Claim, Counts, Entry, Gate, LockedRows, Move, NewReservation, Port, Row, Savepoint, View,
+    BatchWrites, Change, Claim, Counts, Entry, Gate, Move, NewReservation, Port, Row, Savepoint, View,
 };
 use crate::apply::reads::{LedgerRows, Reads};
-use crate::engine::admission::Row as AdmissionRow;
 use crate::engine::reversal::OrderEntries;
 use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
@@ -136,29 +135,6 @@ fn change_sql(row: Row, how: Move, gate: Gate) -> &'static str {
             bucket_move!("consumed = consumed - $1, available = available + $1", "consumed >= $1")
         }
     }
-}
-
-/// Maps the rows of the batch's locking read (`tenant_id, key, kind, status, mode, buckets,
-/// available, reserved, consumed, version`).
-pub fn locked_rows(rows: &[PgRow]) -> Result<LockedRows, StorageError> {
-    let mut locked = LockedRows::new();
-    for row in rows {
-        let kind: &str = row.try_get("kind")?;
-        let parsed = AdmissionRow {
-            kind: Kind::from_db(kind).ok_or_else(|| corrupt("resources.kind"))?,
-            active: row.try_get::<&str, _>("status")? == ResourceStatus::Active.as_str(),
-            redis: row.try_get::<&str, _>("mode")? == Mode::Redis.as_str(),
-            buckets: row.try_get("buckets")?,
-            available: row.try_get("available")?,
-            reserved: row.try_get("reserved")?,
-            consumed: row.try_get("consumed")?,
-            version: row.try_get("version")?,
-            low_stock: row.try_get("low_stock")?,
-            stock: StockBand::from_db(row.try_get("stock")?).ok_or_else(|| corrupt("resources.stock"))?,
-        };
-        locked.entry(row.try_get("tenant_id")?).or_default().insert(row.try_get("key")?, parsed);
-    }
-    Ok(locked)
 }
 
 /// A connection of the batcher (or of a sweep) as a [`Port`].

@@ -13,9 +13,9 @@
 use async_trait::async_trait;
 use sqlx::{PgPool, Postgres, Transaction};
 
-use super::events::{event, EVENT_COLUMNS};
 use crate::engine::TenantId;
 use crate::events::Event;
+use crate::storage::rows::{event, EVENT_COLUMNS};
 use crate::storage::{SinkBacklog, SinkClaim, StorageError};
 
 /// Tenants whose `event_seqs.last` is past the sink's cursor (none: 0), and the events behind in
@@ -97,7 +97,7 @@ impl SinkClaim for PgClaim {
         .bind(i64::from(limit))
         .fetch_all(&mut *self.tx)
         .await?;
-        rows.iter().map(event).collect()
+        rows.iter().map(|row| event(row)).collect()
     }
 
     async fn advance(self: Box<Self>, to: i64) -> Result<(), StorageError> {
