@@ -5,7 +5,8 @@
 # This is the README's test command and exactly what CI runs. It starts PostgreSQL when none
 # answers on 127.0.0.1:5432, MariaDB when none answers on 127.0.0.1:3306, Redis when none
 # answers on 127.0.0.1:6379 and NATS with JetStream when none answers on 127.0.0.1:4222,
-# installing each from Debian's packages if it is missing.
+# installing each from Debian's packages if it is missing, and Chromium (Debian's package) with
+# playwright-core (npm, pinned in tests/console/) for the console's browser test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -107,10 +108,34 @@ ensure_nats() {
   answers 4222 || { echo "NATS did not start on 127.0.0.1:4222 (see $dir/nats-server.log)" >&2; exit 1; }
 }
 
+# Debian's Chromium and the pinned playwright-core for the console's browser test
+# (tests/api/console.rs, driving tests/console/console.test.mjs with Node.js).
+ensure_browser() {
+  [ -x /usr/bin/chromium ] || {
+    echo "== installing chromium"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  }
+  [ -x /usr/bin/chromium ] || { echo "chromium could not be installed" >&2; exit 1; }
+  command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 || {
+    echo "== installing nodejs and npm"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
+  }
+  local pinned installed
+  pinned=$(node -p 'require("./tests/console/package.json").dependencies["playwright-core"]')
+  installed=$(node -p 'try { require("./tests/console/node_modules/playwright-core/package.json").version } catch { "" }')
+  if [ "$pinned" != "$installed" ]; then
+    echo "== npm ci (tests/console: playwright-core $pinned)"
+    npm ci --prefix tests/console --no-audit --no-fund >/dev/null
+  fi
+}
+
 ensure_postgres
 ensure_mariadb
 ensure_redis
 ensure_nats
+ensure_browser
 export STOCKD_TEST_REDIS_URL="${STOCKD_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
 export STOCKD_TEST_NATS_URL="${STOCKD_TEST_NATS_URL:-nats://127.0.0.1:4222}"
 

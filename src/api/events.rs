@@ -20,6 +20,7 @@ use super::extract::{page_limit, query, Tenant};
 use super::SharedState;
 use crate::engine::TenantId;
 use crate::events::{next_commit, Event, EventType};
+use crate::storage::PageFrom;
 
 pub fn routes() -> Router<SharedState> {
     Router::new().route("/v1/events", get(events))
@@ -37,6 +38,9 @@ pub struct EventParams {
     /// Seconds to wait for an event when there is none yet (default 0; at most
     /// `[events] max_wait_seconds`).
     pub wait: Option<u64>,
+    /// `true`: the newest `limit` events instead (still oldest first), to start following the
+    /// feed from its end; not with `after` or `wait`.
+    pub newest: Option<bool>,
 }
 
 /// One event, as the feed, webhooks and the broker sink carry it.
@@ -130,6 +134,13 @@ pub async fn events(
     if after < 0 {
         return Err(ApiError::validation("after", "must be a sequence number (0 or more)"));
     }
+    let from = match params.newest {
+        Some(true) if params.after.is_some() || params.wait.is_some() => {
+            return Err(ApiError::validation("newest", "reads the feed's end: not with `after` or `wait`"));
+        }
+        Some(true) => PageFrom::Newest,
+        _ => PageFrom::After(after),
+    };
     let limit = page_limit(params.limit)?;
     let settings = &state.settings.events;
     // Kept a second under the request timeout, so a poll always answers before it.
@@ -142,7 +153,7 @@ pub async fn events(
     let types = types(params.types.as_deref())?;
     let storage = state.storage.clone();
     let tenant = auth.tenant.clone();
-    let read = || storage.events_page(&tenant, after, &types, limit);
+    let read = || storage.events_page(&tenant, from, &types, limit);
 
     let mut page = read().await?;
     if page.is_empty() && !wait.is_zero() {

@@ -4,6 +4,7 @@
 //! to responses.
 
 pub mod admin;
+pub mod console;
 pub mod docs;
 pub mod error;
 pub mod events;
@@ -72,6 +73,7 @@ pub fn router(state: SharedState) -> Router {
     let body_limit = state.settings.body_limit_bytes;
     Router::new()
         .merge(ops::routes())
+        .merge(console::routes())
         .merge(admin::routes())
         .merge(resources::routes())
         .merge(orders::routes())

@@ -5,11 +5,11 @@ use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::Deserialize;
-use utoipa::IntoParams;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use super::extract::Tenant;
+use super::extract::{page_limit, query, Tenant};
 use super::SharedState;
 use crate::engine::{Pass, Reservation, ReservationState};
 use crate::storage::Transition;
@@ -19,6 +19,7 @@ const MAX_ID_LEN: usize = 64;
 
 pub fn routes() -> Router<SharedState> {
     Router::new()
+        .route("/v1/reservations", get(list_held))
         .route("/v1/reservations/{id}", get(get_reservation))
         .route("/v1/reservations/{id}/confirm", post(confirm))
         .route("/v1/reservations/{id}/release", post(release))
@@ -72,6 +73,35 @@ pub async fn get_reservation(
         }
     }
     state.storage.get_reservation(&auth.tenant, id).await?.map(Json).ok_or_else(not_found)
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct HeldParams {
+    /// 1..=1000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
+    pub limit: Option<u32>,
+}
+
+/// Held reservations, the soonest to expire first.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HeldPage {
+    pub items: Vec<Reservation>,
+}
+
+/// The tenant's held reservations, the soonest to expire first (what the console shows as
+/// "about to expire"). Redis-mode reservations are listed once settled into the database.
+#[utoipa::path(get, path = "/v1/reservations", tag = "reservations", security(("api_key" = [])),
+    params(HeldParams),
+    responses((status = 200, body = HeldPage)))]
+pub async fn list_held(
+    Tenant(auth): Tenant,
+    State(state): State<SharedState>,
+    params: Result<Query<HeldParams>, QueryRejection>,
+) -> Result<Json<HeldPage>, ApiError> {
+    let limit = page_limit(query(params)?.limit)?;
+    let items = state.storage.held_reservations(&auth.tenant, limit).await?;
+    Ok(Json(HeldPage { items }))
 }
 
 /// Held → confirmed (reserved → consumed). Again on a confirmed one: the same 200.

@@ -16,6 +16,7 @@ use crate::engine::{Kind, LedgerEntry, Mode, ResourceKey, ResourceState, Resourc
 use crate::pipeline::Refusal;
 use crate::storage::rules::MAX_BUCKETS;
 use crate::storage::NewResource;
+use crate::storage::PageFrom;
 use crate::time::now_ms;
 
 pub fn routes() -> Router<SharedState> {
@@ -107,6 +108,8 @@ pub struct LedgerParams {
     pub after: Option<String>,
     /// 1..=1000, default 100.
     pub limit: Option<u32>,
+    /// `true`: the newest `limit` entries instead (still oldest first); not with `after`.
+    pub newest: Option<bool>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -295,7 +298,7 @@ pub async fn adjust(
     }
 }
 
-/// The resource's ledger, oldest first.
+/// The resource's ledger, oldest first (from the start, after a cursor, or its newest entries).
 #[utoipa::path(get, path = "/v1/resources/{key}/ledger", tag = "resources", security(("api_key" = [])),
     params(("key" = String, Path), LedgerParams),
     responses(
@@ -319,8 +322,17 @@ pub async fn ledger(
             .filter(|n| *n >= 0)
             .ok_or_else(|| ApiError::validation("after", "must be a ledger seq"))?,
     };
-    let items = state.storage.ledger_page(&auth.tenant, &key, after, limit).await?;
+    let from = match params.newest {
+        Some(true) if params.after.is_some() => {
+            return Err(ApiError::validation("newest", "reads the ledger's end: not with `after`"));
+        }
+        Some(true) => PageFrom::Newest,
+        _ => PageFrom::After(after),
+    };
+    let items = state.storage.ledger_page(&auth.tenant, &key, from, limit).await?;
     let items = items.ok_or_else(|| resource_not_found(key.as_str()))?;
-    let next_after = (items.len() == limit as usize).then(|| items.last().map(|e| e.seq.to_string())).flatten();
+    // The newest page has nothing after it (yet).
+    let full = items.len() == limit as usize && from != PageFrom::Newest;
+    let next_after = full.then(|| items.last().map(|e| e.seq.to_string())).flatten();
     Ok(Json(LedgerPage { items, next_after }))
 }

@@ -291,6 +291,8 @@ pub trait Port {
 
     async fn insert_reservation(&mut self, reservation: &NewReservation) -> Result<(), StorageError>;
     async fn reservation(&mut self, tenant: &str, id: &str) -> Result<Option<Reservation>, StorageError>;
+    /// Up to `limit` of the tenant's held reservations, the soonest to expire first.
+    async fn held_reservations(&mut self, tenant: &str, limit: u32) -> Result<Vec<Reservation>, StorageError>;
     /// Moves the reservation from `held` to `to`; `false`: it was not held (any more).
     async fn leave_held(
         &mut self,

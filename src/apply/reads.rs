@@ -13,7 +13,7 @@ use crate::engine::{
 };
 use crate::events::{resource_key, EventType, NewEvent};
 use crate::storage::rules::{fold_all, preview_line, previewed};
-use crate::storage::StorageError;
+use crate::storage::{PageFrom, StorageError};
 
 /// The rows reconciliation judges, read in one snapshot.
 #[derive(Debug, Default)]
@@ -50,11 +50,12 @@ pub trait Reads: Port {
         keys: &[String],
     ) -> Result<HashMap<(String, String), Vec<BucketCounts>>, StorageError>;
     /// A page of a resource's ledger, by `seq`.
+    /// A page of a resource's ledger, in [`PageFrom::bounds`]' order.
     async fn ledger_entries(
         &mut self,
         tenant: &str,
         key: &str,
-        after: i64,
+        from: PageFrom,
         limit: u32,
     ) -> Result<Vec<LedgerEntry>, StorageError>;
     /// What a per-user limit key has used so far (0 if never).
@@ -102,13 +103,14 @@ pub async fn ledger<R: Reads>(
     reads: &mut R,
     tenant: &TenantId,
     key: &str,
-    after: i64,
+    from: PageFrom,
     limit: u32,
 ) -> Result<Option<Vec<LedgerEntry>>, StorageError> {
     if reads.view(tenant.as_str(), key).await?.is_none() {
         return Ok(None);
     }
-    reads.ledger_entries(tenant.as_str(), key, after, limit).await.map(Some)
+    let page = reads.ledger_entries(tenant.as_str(), key, from, limit).await?;
+    Ok(Some(from.arrange(page)))
 }
 
 /// The outcome the order would have now; applies and records nothing.

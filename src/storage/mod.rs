@@ -264,6 +264,33 @@ pub struct OrderExecution {
 /// database stores one per resource and bucket, and one write must not hold the writer long.
 pub const CHECKPOINTS_PER_WRITE: usize = 5_000;
 
+/// Where a page of the event feed or of a ledger starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageFrom {
+    /// The items with a sequence number above this one, oldest first.
+    After(i64),
+    /// The newest items (a reader starting at the end), still returned oldest first.
+    Newest,
+}
+
+impl PageFrom {
+    /// The sequence number to read above, and the order to read in (newest first for the tail).
+    pub fn bounds(self) -> (i64, &'static str) {
+        match self {
+            PageFrom::After(after) => (after, "ASC"),
+            PageFrom::Newest => (0, "DESC"),
+        }
+    }
+
+    /// Puts a page read in [`PageFrom::bounds`]' order into sequence order.
+    pub fn arrange<T>(self, mut page: Vec<T>) -> Vec<T> {
+        if self == PageFrom::Newest {
+            page.reverse();
+        }
+        page
+    }
+}
+
 #[async_trait]
 pub trait Storage: redis_store::RedisStore + crate::webhooks::WebhookStore + Send + Sync + 'static {
     /// Storage is reachable and migrated.
@@ -340,7 +367,7 @@ pub trait Storage: redis_store::RedisStore + crate::webhooks::WebhookStore + Sen
         &self,
         tenant: &TenantId,
         key: &ResourceKey,
-        after: i64,
+        from: PageFrom,
         limit: u32,
     ) -> Result<Option<Vec<crate::engine::LedgerEntry>>, StorageError>;
 
@@ -369,6 +396,8 @@ pub trait Storage: redis_store::RedisStore + crate::webhooks::WebhookStore + Sen
     async fn reverse_order(&self, job: Arc<ReversalJob>, now_ms: i64) -> Result<Reversed, StorageError>;
 
     async fn get_reservation(&self, tenant: &TenantId, id: &str) -> Result<Option<Reservation>, StorageError>;
+    /// Up to `limit` of the tenant's held reservations, the soonest to expire first.
+    async fn held_reservations(&self, tenant: &TenantId, limit: u32) -> Result<Vec<Reservation>, StorageError>;
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError>;
     async fn release_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError>;
     /// Expires up to `limit` held reservations past their deadline; returns how many.
@@ -382,12 +411,12 @@ pub trait Storage: redis_store::RedisStore + crate::webhooks::WebhookStore + Sen
     /// each resource's checkpoint ([`Pass::Incremental`]) or from the start ([`Pass::Full`]);
     /// then moves the checkpoints of what it found clean and forgets those of what drifted.
     async fn reconcile(&self, tenant: Option<&TenantId>, pass: Pass) -> Result<Reconciliation, StorageError>;
-    /// Up to `limit` of the tenant's committed events with a sequence number above `after`, in
-    /// sequence order; only those of `types` unless it is empty.
+    /// Up to `limit` of the tenant's committed events from `from`, in sequence order; only those
+    /// of `types` unless it is empty.
     async fn events_page(
         &self,
         tenant: &TenantId,
-        after: i64,
+        from: PageFrom,
         types: &[EventType],
         limit: u32,
     ) -> Result<Vec<Event>, StorageError>;

@@ -436,3 +436,33 @@ async fn events_past_their_retention_are_purged() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Proves `newest=true` answers the feed's last events, oldest first, with the cursor a reader
+/// then follows, and refuses being mixed with `after` or `wait`.
+#[tokio::test]
+async fn the_newest_events_start_a_reader_at_the_end_of_the_feed() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 100).await;
+    for n in 0..5 {
+        let key = unique("newest");
+        shop.order(&key, &deduct(&format!("ord-{n}"), &[("sku-1", 1)])).await.expect_json(201);
+    }
+    let all = all_events(&shop).await;
+    let last = all.last().and_then(|e| e["seq"].as_i64()).unwrap_or_else(|| panic!("events were written: {all:?}"));
+
+    let page = shop.get("/v1/events?newest=true&limit=2").await.expect_json(200);
+    let seqs: Vec<i64> = page["items"].as_array().into_iter().flatten().filter_map(|e| e["seq"].as_i64()).collect();
+    assert_eq!(seqs, [last - 1, last], "{page}");
+    assert_eq!(page["next_after"], last, "{page}");
+    let orders = shop.get("/v1/events?newest=true&limit=2&types=order.applied").await.expect_json(200);
+    let order_ids: Vec<&str> =
+        orders["items"].as_array().into_iter().flatten().filter_map(|e| e["data"]["order_id"].as_str()).collect();
+    assert_eq!(order_ids, ["ord-3", "ord-4"], "{orders}");
+    let after_end = shop.get(&format!("/v1/events?after={last}")).await.expect_json(200);
+    assert_eq!(after_end["items"], json!([]), "{after_end}");
+
+    for bad in ["/v1/events?newest=true&after=0", "/v1/events?newest=true&wait=1", "/v1/events?newest=maybe"] {
+        assert_problem(&shop.get(bad).await, 400, "validation_failed");
+    }
+}

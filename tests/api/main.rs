@@ -13,6 +13,7 @@ mod buckets;
 mod cluster;
 mod concurrency;
 mod config_tenants;
+mod console;
 mod crash;
 mod events;
 mod helpers;

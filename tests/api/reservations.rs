@@ -389,3 +389,41 @@ async fn racing_confirms_and_releases_are_decided_in_the_batch_each_once() {
         .unwrap_or(0.0);
     assert!(admitted > 0.0, "no confirm or release was decided by batch admission:\n{metrics}");
 }
+
+/// Proves `GET /v1/reservations` lists exactly the tenant's held reservations, the soonest to
+/// expire first: a confirmed or released one leaves the list, another tenant's never shows, and
+/// `limit` is bounded.
+#[tokio::test]
+async fn held_reservations_are_listed_soonest_to_expire_first_and_only_the_tenants_own() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    let other = app.create_tenant("other").await;
+    shop.create_resource("sku-1", 100).await;
+    other.create_resource("sku-1", 100).await;
+    let (late, _) = reserve_ok(&shop, &[("sku-1", 1)], Some(3000)).await;
+    let (soon, _) = reserve_ok(&shop, &[("sku-1", 2)], Some(1000)).await;
+    let (middle, _) = reserve_ok(&shop, &[("sku-1", 3)], Some(2000)).await;
+    let (confirmed, _) = reserve_ok(&shop, &[("sku-1", 4)], Some(500)).await;
+    let (released, _) = reserve_ok(&shop, &[("sku-1", 5)], Some(500)).await;
+    reserve_ok(&other, &[("sku-1", 1)], Some(10)).await;
+    shop.confirm(&confirmed).await.expect_json(200);
+    shop.release(&released).await.expect_json(200);
+
+    let ids = |page: &Value| -> Vec<String> {
+        page["items"]
+            .as_array()
+            .unwrap_or_else(|| panic!("a page has items: {page}"))
+            .iter()
+            .map(|r| r["id"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    };
+    let page = shop.get("/v1/reservations").await.expect_json(200);
+    assert_eq!(ids(&page), [soon.clone(), middle.clone(), late], "{page}");
+    assert!(page["items"].as_array().is_some_and(|items| items.iter().all(|r| r["state"] == "held")), "{page}");
+    assert_eq!(page["items"][0]["lines"][0]["qty"], 2, "{page}");
+    assert_eq!(ids(&shop.get("/v1/reservations?limit=2").await.expect_json(200)), [soon, middle]);
+
+    for bad in ["/v1/reservations?limit=0", "/v1/reservations?limit=1001", "/v1/reservations?state=held"] {
+        assert_problem(&shop.get(bad).await, 400, "validation_failed");
+    }
+}

@@ -391,3 +391,26 @@ async fn ledger_pages_oldest_first_by_seq() {
     let entries = shop.assert_ledger_replays_to_state("sku-1").await;
     assert_eq!(entries.len(), 5);
 }
+
+/// `newest=true` pages the ledger from its end: the last entries, oldest first, and no cursor
+/// (nothing is newer yet); not together with `after`.
+#[tokio::test]
+async fn the_newest_ledger_entries_come_oldest_first_without_a_cursor() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 10).await;
+    for i in 1..=4 {
+        shop.adjust("sku-1", &format!("adj-{i}"), i).await.expect_json(200);
+    }
+    let page = shop.get("/v1/resources/sku-1/ledger?newest=true&limit=2").await.expect_json(200);
+    let items = page["items"].as_array().expect("items is an array").clone();
+    assert_eq!(items.iter().map(|e| e["qty"].clone()).collect::<Vec<_>>(), [json!(3), json!(4)], "{page}");
+    assert!(items[0]["seq"].as_i64() < items[1]["seq"].as_i64(), "{page}");
+    assert_eq!(page["next_after"], Value::Null, "{page}");
+    let whole = shop.get("/v1/resources/sku-1/ledger?newest=true").await.expect_json(200);
+    assert_eq!(
+        ops(whole["items"].as_array().expect("items is an array")),
+        ["create", "adjust", "adjust", "adjust", "adjust"]
+    );
+    assert_problem(&shop.get("/v1/resources/sku-1/ledger?newest=true&after=1").await, 400, "validation_failed");
+}

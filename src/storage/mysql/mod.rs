@@ -54,8 +54,8 @@ use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
-    OrderExecution, OrderJob, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError, TenantRecord,
-    Transition,
+    OrderExecution, OrderJob, PageFrom, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError,
+    TenantRecord, Transition,
 };
 use crate::apply::batch::MoveJob;
 use crate::apply::port::Port;
@@ -421,12 +421,12 @@ impl Storage for MyStorage {
         &self,
         tenant: &TenantId,
         key: &ResourceKey,
-        after: i64,
+        from: PageFrom,
         limit: u32,
     ) -> Result<Option<Vec<LedgerEntry>>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
         let mut tx = snapshot(&mut conn).await?;
-        let page = reads::ledger(&mut MyPort::new(&mut tx), tenant, key.as_str(), after, limit).await?;
+        let page = reads::ledger(&mut MyPort::new(&mut tx), tenant, key.as_str(), from, limit).await?;
         tx.commit().await?;
         Ok(page)
     }
@@ -503,6 +503,11 @@ impl Storage for MyStorage {
         MyPort::new(&mut conn).reservation(tenant.as_str(), id).await
     }
 
+    async fn held_reservations(&self, tenant: &TenantId, limit: u32) -> Result<Vec<Reservation>, StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        MyPort::new(&mut conn).held_reservations(tenant.as_str(), limit).await
+    }
+
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
         let job = MoveJob { tenant: tenant.clone(), id: id.to_string(), to: ReservationState::Confirmed };
         self.submit_move(job, now_ms).await
@@ -575,10 +580,11 @@ impl Storage for MyStorage {
     async fn events_page(
         &self,
         tenant: &TenantId,
-        after: i64,
+        from: PageFrom,
         types: &[EventType],
         limit: u32,
     ) -> Result<Vec<Event>, StorageError> {
+        let (after, order) = from.bounds();
         // Event type names are a closed set of ASCII words, but they are bound all the same.
         let filter = if types.is_empty() {
             String::new()
@@ -586,7 +592,7 @@ impl Storage for MyStorage {
             format!(" AND type IN ({})", vec!["?"; types.len()].join(", "))
         };
         let sql = format!(
-            "SELECT {} FROM events WHERE tenant_id = ? AND seq > ?{filter} ORDER BY seq LIMIT ?",
+            "SELECT {} FROM events WHERE tenant_id = ? AND seq > ?{filter} ORDER BY seq {order} LIMIT ?",
             rows::EVENT_COLUMNS
         );
         let mut query = sqlx::query(&sql).bind(tenant.as_str()).bind(after);
@@ -594,7 +600,7 @@ impl Storage for MyStorage {
             query = query.bind(t.as_str());
         }
         let rows = query.bind(i64::from(limit)).fetch_all(&self.pool).await?;
-        rows.iter().map(|row| rows::event(row)).collect()
+        Ok(from.arrange(rows.iter().map(|row| rows::event(row)).collect::<Result<_, _>>()?))
     }
 
     async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

@@ -30,7 +30,7 @@ use crate::engine::{
 use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
-use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
+use crate::storage::{IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse};
 
 fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
@@ -591,6 +591,18 @@ impl Port for MyPort<'_> {
         row.as_ref().map(|row| rows::reservation(row)).transpose()
     }
 
+    async fn held_reservations(&mut self, tenant: &str, limit: u32) -> Result<Vec<Reservation>, StorageError> {
+        let rows = sqlx::query(
+            "SELECT id, order_id, state, `lines`, expires_at FROM reservations
+             WHERE state = 'held' AND tenant_id = ? ORDER BY expires_at, id LIMIT ?",
+        )
+        .bind(tenant)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *self.conn)
+        .await?;
+        rows.iter().map(|row| rows::reservation(row)).collect()
+    }
+
     /// Under READ COMMITTED this waits for a concurrent mover's commit and then re-checks
     /// `state = 'held'` against the committed row, so exactly one move wins.
     async fn leave_held(
@@ -1090,12 +1102,13 @@ impl Reads for MyPort<'_> {
         &mut self,
         tenant: &str,
         key: &str,
-        after: i64,
+        from: PageFrom,
         limit: u32,
     ) -> Result<Vec<LedgerEntry>, StorageError> {
+        let (after, order) = from.bounds();
         let rows = sqlx::query(&format!(
             "SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant_id = ? AND resource_key = ? AND seq > ?
-             ORDER BY seq LIMIT ?"
+             ORDER BY seq {order} LIMIT ?"
         ))
         .bind(tenant)
         .bind(key)

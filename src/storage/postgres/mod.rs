@@ -47,8 +47,8 @@ use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
-    OrderExecution, OrderJob, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError, TenantRecord,
-    Transition,
+    OrderExecution, OrderJob, PageFrom, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError,
+    TenantRecord, Transition,
 };
 use crate::apply::batch::MoveJob;
 use crate::apply::port::Port;
@@ -388,12 +388,12 @@ impl Storage for PgStorage {
         &self,
         tenant: &TenantId,
         key: &ResourceKey,
-        after: i64,
+        from: PageFrom,
         limit: u32,
     ) -> Result<Option<Vec<LedgerEntry>>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
         let mut tx = conn.begin_with(SNAPSHOT).await?;
-        let page = reads::ledger(&mut PgPort::new(&mut tx), tenant, key.as_str(), after, limit).await?;
+        let page = reads::ledger(&mut PgPort::new(&mut tx), tenant, key.as_str(), from, limit).await?;
         tx.commit().await?;
         Ok(page)
     }
@@ -472,6 +472,11 @@ impl Storage for PgStorage {
         PgPort::new(&mut conn).reservation(tenant.as_str(), id).await
     }
 
+    async fn held_reservations(&self, tenant: &TenantId, limit: u32) -> Result<Vec<Reservation>, StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        PgPort::new(&mut conn).held_reservations(tenant.as_str(), limit).await
+    }
+
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
         let job = MoveJob { tenant: tenant.clone(), id: id.to_string(), to: ReservationState::Confirmed };
         self.submit_move(job, now_ms).await
@@ -548,15 +553,16 @@ impl Storage for PgStorage {
     async fn events_page(
         &self,
         tenant: &TenantId,
-        after: i64,
+        from: PageFrom,
         types: &[EventType],
         limit: u32,
     ) -> Result<Vec<Event>, StorageError> {
         let types: Vec<&str> = types.iter().map(|t| t.as_str()).collect();
+        let (after, order) = from.bounds();
         let rows = sqlx::query(&format!(
             "SELECT {} FROM events
              WHERE tenant_id = $1 AND seq > $2 AND (cardinality($3::text[]) = 0 OR type = ANY($3))
-             ORDER BY seq LIMIT $4",
+             ORDER BY seq {order} LIMIT $4",
             rows::EVENT_COLUMNS
         ))
         .bind(tenant.as_str())
@@ -565,7 +571,7 @@ impl Storage for PgStorage {
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(|row| rows::event(row)).collect()
+        Ok(from.arrange(rows.iter().map(|row| rows::event(row)).collect::<Result<_, _>>()?))
     }
 
     async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

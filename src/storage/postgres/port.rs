@@ -25,7 +25,7 @@ use crate::engine::{
 use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
-use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
+use crate::storage::{IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse};
 
 fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
@@ -527,6 +527,19 @@ impl Port for PgPort<'_> {
         row.as_ref().map(|row| rows::reservation(row)).transpose()
     }
 
+    async fn held_reservations(&mut self, tenant: &str, limit: u32) -> Result<Vec<Reservation>, StorageError> {
+        // Served by the partial index `reservations_due` (held ones by deadline).
+        let rows = sqlx::query(
+            "SELECT id, order_id, state, lines, expires_at FROM reservations
+             WHERE state = 'held' AND tenant_id = $1 ORDER BY expires_at, id LIMIT $2",
+        )
+        .bind(tenant)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *self.conn)
+        .await?;
+        rows.iter().map(|row| rows::reservation(row)).collect()
+    }
+
     /// Under READ COMMITTED this waits for a concurrent mover's commit and then re-checks
     /// `state = 'held'` against the committed row, so exactly one move wins.
     async fn leave_held(
@@ -1013,12 +1026,13 @@ impl Reads for PgPort<'_> {
         &mut self,
         tenant: &str,
         key: &str,
-        after: i64,
+        from: PageFrom,
         limit: u32,
     ) -> Result<Vec<LedgerEntry>, StorageError> {
+        let (after, order) = from.bounds();
         let rows = sqlx::query(&format!(
             "SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant_id = $1 AND resource_key = $2 AND seq > $3
-             ORDER BY seq LIMIT $4"
+             ORDER BY seq {order} LIMIT $4"
         ))
         .bind(tenant)
         .bind(key)

@@ -25,8 +25,8 @@ use self::writer::{Writer, WriterLimits};
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
-    OrderExecution, OrderJob, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError, TenantRecord,
-    Transition,
+    OrderExecution, OrderJob, PageFrom, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError,
+    TenantRecord, Transition,
 };
 use crate::apply::batch::MoveJob;
 use crate::apply::port::run_now;
@@ -344,13 +344,13 @@ impl Storage for SqliteStorage {
         &self,
         tenant: &TenantId,
         key: &ResourceKey,
-        after: i64,
+        from: PageFrom,
         limit: u32,
     ) -> Result<Option<Vec<LedgerEntry>>, StorageError> {
         let (tenant, key) = (tenant.clone(), key.clone());
         self.readers
             .snapshot(move |conn| {
-                run_now(reads::ledger(&mut SqlitePort::new(conn), &tenant, key.as_str(), after, limit))
+                run_now(reads::ledger(&mut SqlitePort::new(conn), &tenant, key.as_str(), from, limit))
             })
             .await
     }
@@ -409,6 +409,16 @@ impl Storage for SqliteStorage {
             .await
     }
 
+    async fn held_reservations(&self, tenant: &TenantId, limit: u32) -> Result<Vec<Reservation>, StorageError> {
+        let tenant = tenant.clone();
+        self.readers
+            .snapshot(move |conn| {
+                use crate::apply::port::Port;
+                run_now(SqlitePort::new(conn).held_reservations(tenant.as_str(), limit))
+            })
+            .await
+    }
+
     async fn confirm_reservation(&self, tenant: &TenantId, id: &str, now_ms: i64) -> Result<Transition, StorageError> {
         let job = MoveJob { tenant: tenant.clone(), id: id.to_string(), to: ReservationState::Confirmed };
         self.writer()?.submit_move(job, now_ms).await
@@ -462,7 +472,7 @@ impl Storage for SqliteStorage {
     async fn events_page(
         &self,
         tenant: &TenantId,
-        after: i64,
+        from: PageFrom,
         types: &[EventType],
         limit: u32,
     ) -> Result<Vec<Event>, StorageError> {
@@ -473,7 +483,7 @@ impl Storage for SqliteStorage {
             serde_json::to_string(&types.iter().map(|t| t.as_str()).collect::<Vec<_>>())
                 .map_err(|e| StorageError::Internal(e.to_string()))?
         };
-        self.readers.snapshot(move |conn| ops::events_page(conn, tenant.as_str(), after, &types, limit)).await
+        self.readers.snapshot(move |conn| ops::events_page(conn, tenant.as_str(), from, &types, limit)).await
     }
 
     async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {

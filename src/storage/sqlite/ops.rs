@@ -8,7 +8,7 @@ use crate::engine::TenantId;
 use crate::events::Event;
 use crate::ratelimit::RateLimit;
 use crate::storage::rules;
-use crate::storage::{Insert, NewApiKey, PluginUpload, PluginVersion, StorageError};
+use crate::storage::{Insert, NewApiKey, PageFrom, PluginUpload, PluginVersion, StorageError};
 
 impl From<rusqlite::Error> for StorageError {
     fn from(err: rusqlite::Error) -> Self {
@@ -126,15 +126,16 @@ pub fn purge_idempotency(conn: &Connection, before_ms: i64, limit: u32) -> Resul
 pub fn events_page(
     conn: &Connection,
     tenant: &str,
-    after: i64,
+    from: PageFrom,
     types: &str,
     limit: u32,
 ) -> Result<Vec<Event>, StorageError> {
-    let mut statement = conn.prepare_cached(
+    let (after, order) = from.bounds();
+    let mut statement = conn.prepare_cached(&format!(
         "SELECT id, tenant_id, seq, type, ordering_key, at, data FROM events
          WHERE tenant_id = ?1 AND seq > ?2 AND (?3 = '' OR type IN (SELECT value FROM json_each(?3)))
-         ORDER BY seq LIMIT ?4",
-    )?;
+         ORDER BY seq {order} LIMIT ?4"
+    ))?;
     let rows = statement.query_map(params![tenant, after, types, i64::from(limit)], |row| {
         Ok(Event {
             id: row.get(0)?,
@@ -146,7 +147,7 @@ pub fn events_page(
             data: row.get(6)?,
         })
     })?;
-    Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    Ok(from.arrange(rows.collect::<Result<Vec<_>, _>>()?))
 }
 
 /// Deletes up to `limit` events written before `before_ms`, oldest first.

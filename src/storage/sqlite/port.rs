@@ -22,7 +22,7 @@ use crate::engine::{
 use crate::events::{new_event_id, NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL, STORED_OUTCOME_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
-use crate::storage::{IdempotencyRequest, Idempotent, NewResource, StorageError, StoredResponse};
+use crate::storage::{IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse};
 
 pub(super) fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
@@ -522,6 +522,14 @@ impl Port for SqlitePort<'_> {
             .transpose()
     }
 
+    async fn held_reservations(&mut self, tenant: &str, limit: u32) -> Result<Vec<Reservation>, StorageError> {
+        let mut statement = self.conn.prepare_cached(
+            "SELECT id, order_id, state, lines, expires_at FROM reservations
+             WHERE state = 'held' AND tenant_id = ?1 ORDER BY expires_at, id LIMIT ?2",
+        )?;
+        all(&mut statement, params![tenant, i64::from(limit)], rows::reservation)
+    }
+
     async fn leave_held(
         &mut self,
         tenant: &str,
@@ -879,12 +887,13 @@ impl Reads for SqlitePort<'_> {
         &mut self,
         tenant: &str,
         key: &str,
-        after: i64,
+        from: PageFrom,
         limit: u32,
     ) -> Result<Vec<LedgerEntry>, StorageError> {
+        let (after, order) = from.bounds();
         let mut statement = self.conn.prepare_cached(&format!(
             "SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant_id = ?1 AND resource_key = ?2 AND seq > ?3
-             ORDER BY seq LIMIT ?4"
+             ORDER BY seq {order} LIMIT ?4"
         ))?;
         all(&mut statement, params![tenant, key, after, i64::from(limit)], rows::ledger_entry)
     }

@@ -14,6 +14,7 @@ use super::readers::Readers;
 use super::writer::Writer;
 use crate::engine::TenantId;
 use crate::events::Event;
+use crate::storage::PageFrom;
 use crate::storage::{SinkBacklog, SinkClaim, StorageError};
 
 /// Tenants whose `event_seqs.last` is past the sink's cursor (none: 0), and the events behind in
@@ -75,7 +76,9 @@ impl SinkClaim for SqliteClaim {
 
     async fn page(&mut self, limit: u32) -> Result<Vec<Event>, StorageError> {
         let (tenant, after) = (self.tenant.clone(), self.cursor);
-        self.readers.snapshot(move |conn| ops::events_page(conn, tenant.as_str(), after, "", limit)).await
+        self.readers
+            .snapshot(move |conn| ops::events_page(conn, tenant.as_str(), PageFrom::After(after), "", limit))
+            .await
     }
 
     async fn advance(self: Box<Self>, to: i64) -> Result<(), StorageError> {
