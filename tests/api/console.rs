@@ -12,7 +12,7 @@ use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 
-use crate::helpers::{plugin_wasm, spawn_app, tamper, unique, Backend};
+use crate::helpers::{deduct, plugin_wasm, spawn_app, tamper, unique, Backend};
 
 /// Everything the browser test needs, or a failure that says how to get it: the suite never
 /// skips a test because a tool is missing.
@@ -81,6 +81,17 @@ async fn the_console_shows_a_live_sale_a_plugin_change_and_a_forced_drift_in_a_r
     shop.post("/v1/resources", &json!({"key": sku, "kind": "inventory", "total": 5000, "buckets": 4}))
         .await
         .expect_json(201);
+    // Neighbours in other states, planned by the built-in plan before the plugin arrives.
+    shop.post("/v1/resources", &json!({"key": "coupon-spring", "kind": "coupon", "total": 500, "low_stock": 450}))
+        .await
+        .expect_json(201);
+    shop.create_resource("sku-sold-out", 3).await;
+    shop.post("/v1/resources", &json!({"key": "wallet-eur", "kind": "balance", "total": 100_000}))
+        .await
+        .expect_json(201);
+    shop.order(&unique("c"), &deduct("ord-coupons", &[("coupon-spring", 60)])).await.expect_json(201);
+    shop.order(&unique("s"), &deduct("ord-sold-out", &[("sku-sold-out", 3)])).await.expect_json(201);
+    shop.patch("/v1/resources/wallet-eur", &json!({"status": "inactive"})).await.expect_json(200);
     let uploaded = shop.put_plugin_config(plugin_wasm("flash-sale"), "buckets = 4").await.expect_json(201);
     let version = uploaded["version"].as_i64().unwrap_or_else(|| panic!("an upload answers its version: {uploaded}"));
 

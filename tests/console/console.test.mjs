@@ -89,6 +89,15 @@ try {
   await row.waitFor({ timeout: DEADLINE_MS });
   const available = async () => Number((await row.locator('td.available').textContent()).replace(/,/g, ''));
   const first = await available();
+  const pill = async (key) => (await page.textContent(`table[data-testid=resources] tr[data-key="${key}"] .pill`)).trim();
+  await until('each state named', async () => (await pill('sku-sold-out')) === 'sold out' && (await pill('coupon-spring')) === 'low'
+    && (await pill('wallet-eur')) === 'inactive' && (await pill(resource)) === 'active');
+  await page.selectOption('#filter-status', 'sold_out');
+  await until('the status filter', async () => (await page.locator('table[data-testid=resources] tr[data-key]').count()) === 1);
+  await page.selectOption('#filter-status', '');
+  await page.fill('#filter-prefix', 'flash');
+  await until('the prefix filter', async () => (await page.locator('table[data-testid=resources] tr[data-key]').count()) === 1);
+  await page.fill('#filter-prefix', '');
 
   step('available falls live while a load runs, and the key is the hottest');
   let loading = true;
@@ -102,7 +111,7 @@ try {
   });
   await page.locator(`[data-testid=hot-keys] li[data-key="${resource}"]`).waitFor({ timeout: DEADLINE_MS });
   await page.locator('[data-testid=recent-orders] tbody tr[data-order]').first().waitFor({ timeout: DEADLINE_MS });
-  await page.screenshot({ path: join(artifacts, 'resources.png'), fullPage: true });
+  await page.screenshot({ path: join(artifacts, 'resources.png') });
   loading = false;
   await load;
   const consumed = (await (await fetch(`${base}/v1/resources/${resource}`, { headers: { Authorization: `Bearer ${apiKey}` } })).json()).consumed;
