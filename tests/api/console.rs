@@ -12,7 +12,7 @@ use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 
-use crate::helpers::{deduct, plugin_wasm, spawn_app, tamper, unique, Backend};
+use crate::helpers::{deduct, plugin_wasm, spawn_app, spawn_app_with, tamper, unique, AppOptions, Backend};
 
 /// Everything the browser test needs, or a failure that says how to get it: the suite never
 /// skips a test because a tool is missing.
@@ -75,8 +75,17 @@ async fn the_console_is_served_by_the_server_with_a_strict_content_security_poli
 #[tokio::test]
 async fn the_console_shows_a_live_sale_a_plugin_change_and_a_forced_drift_in_a_real_browser() {
     let (dir, chromium) = browser_prerequisites();
-    let app = spawn_app().await;
+    // Webhooks may target this machine, and are retried quickly, so that the console has
+    // delivery attempts to show.
+    let app = spawn_app_with(AppOptions::default().toml(
+        "[events.webhooks]\nallow_private_targets = true\nretry_initial_ms = 200\nretry_max_ms = 1000\npoll_interval_ms = 50",
+    ))
+    .await;
     let shop = app.create_tenant(&unique("console")).await;
+    // Nothing listens on port 9 here: every attempt fails to connect, and the console says so.
+    shop.post("/v1/webhooks", &json!({"url": "http://127.0.0.1:9/stockd", "types": ["resource.low_stock"]}))
+        .await
+        .expect_json(201);
     let sku = "flash-sku-1";
     shop.post("/v1/resources", &json!({"key": sku, "kind": "inventory", "total": 5000, "buckets": 4}))
         .await

@@ -158,6 +158,14 @@ try {
   await until('the drift count', async () => (await page.textContent('[data-testid=drift-count]')) === '1 drifting');
   await page.screenshot({ path: join(artifacts, 'reconciliation.png'), fullPage: true });
 
+  step('the webhook endpoint shows its failed attempts, and a retry can be asked for');
+  await page.goto(`${base}/console/#/webhooks`);
+  const hook = page.locator('[data-webhook]');
+  await until('a failed attempt', async () => (await hook.locator('tbody').textContent()).includes('connect'));
+  await hook.locator('button:has-text("Retry now")').click();
+  await until('the retry queued', async () => /\d+ queued/.test(await hook.locator('[role=status]').textContent()));
+  await page.screenshot({ path: join(artifacts, 'webhooks.png'), fullPage: true });
+
   step('signing out forgets the key');
   await page.click('#signout');
   await page.locator('#signin').waitFor({ state: 'visible' });

@@ -624,6 +624,8 @@
 
   function webhooksPage() {
     const list = h('div');
+    // What the last action on each endpoint answered: kept across the page's refreshes.
+    const notes = new Map();
     view().replaceChildren(h('h1', {}, 'Webhooks'), list);
     every(5000, async () => {
       const page = await api('GET', '/v1/webhooks');
@@ -632,13 +634,14 @@
         const [detail, deliveries] = await Promise.all([
           api('GET', '/v1/webhooks/' + encodeURIComponent(w.id)),
           api('GET', `/v1/webhooks/${encodeURIComponent(w.id)}/deliveries?limit=20`)]);
-        const message = h('span', { role: 'status' });
+        const message = h('span', { role: 'status' }, notes.get(w.id) || '');
+        const note = (text) => { notes.set(w.id, text); message.textContent = text; };
         return h('section', { class: 'panel', 'data-webhook': w.id },
           h('h2', {}, w.url),
           h('p', {}, h('span', { class: detail.state === 'active' ? 'pill good' : 'pill bad' }, detail.state || 'active'),
             ` · ${num(detail.pending)} pending · types: ${(w.types && w.types.length) ? w.types.join(', ') : 'all'} `,
             h('button', { type: 'button', class: 'quiet', onclick: async () => {
-              try { const r = await api('POST', `/v1/webhooks/${encodeURIComponent(w.id)}/redeliver`, { body: {} }); message.textContent = ` ${r.queued} queued.`; } catch (e) { message.textContent = ' ' + problemText(e); }
+              try { const r = await api('POST', `/v1/webhooks/${encodeURIComponent(w.id)}/redeliver`, { body: {} }); note(` ${r.queued} queued.`); } catch (e) { note(' ' + problemText(e)); }
             } }, 'Retry now'), message),
           h('table', {}, h('thead', {}, h('tr', {}, ['time', 'event', 'type', 'attempt', 'outcome', 'HTTP', 'error', 'ms'].map((c) => h('th', {}, c)))),
             h('tbody', {}, deliveries.items.length ? deliveries.items.map((d) => h('tr', {},
