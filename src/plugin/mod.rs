@@ -18,6 +18,7 @@ mod bindings;
 pub mod check;
 pub mod compile;
 mod convert;
+mod expect;
 mod host;
 mod limits;
 mod model;
