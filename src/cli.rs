@@ -48,6 +48,18 @@ pub enum PluginCommand {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Create a plugin crate that builds and passes `plugin check --cases cases.toml` as it is.
+    New {
+        /// The crate's name: 1-64 ASCII letters, digits, '-' or '_', starting with a letter.
+        name: String,
+        /// The folder to create (default: ./NAME); it must not exist or be empty.
+        #[arg(long)]
+        path: Option<PathBuf>,
+        /// Use this `stockd-plugin-sdk` crate (or a stockd checkout holding it at
+        /// plugins/sdk) by path instead of the SDK embedded in this binary.
+        #[arg(long)]
+        sdk: Option<PathBuf>,
+    },
 }
 
 /// Parses arguments and runs the chosen command.
@@ -66,6 +78,9 @@ pub async fn main() -> anyhow::Result<()> {
         Command::Plugin { command: PluginCommand::Check { file, cases, config } } => {
             let limits = Config::load(config.as_deref())?.plugins.limits();
             crate::plugin::check(&file, cases.as_deref(), limits).await
+        }
+        Command::Plugin { command: PluginCommand::New { name, path, sdk } } => {
+            crate::plugin::scaffold::new_plugin(&name, path.as_deref(), sdk.as_deref())
         }
     }
 }

@@ -19,9 +19,18 @@
 //! lines = [{ key = "sku-1", qty = 2, attributes = { warehouse = "east" } }]
 //! ```
 //!
-//! A plugin refusing an order is an answer, not an error; the check fails (non-zero exit) when
-//! the component is invalid or when any order makes it trap, run out of fuel or memory, or
-//! return a plan the host rejects.
+//! An order may say what it must produce, in an `expect` table (see [`super::expect`]):
+//!
+//! ```toml
+//! [orders.expect]
+//! policy = "all_or_nothing"
+//! lines = [{ line = 0, qty = 2, targets = [{ resource = "sku-1:east" }, { resource = "sku-1:central" }] }]
+//! ```
+//!
+//! or `refused = "has no user_id"`. A plugin refusing an order is an answer, not an error; the
+//! check fails (non-zero exit) when the component is invalid, when any order makes it trap,
+//! run out of fuel or memory, or return a plan the host rejects, and when any answer differs
+//! from its order's `expect`.
 
 use std::io::Write;
 use std::path::Path;
@@ -29,6 +38,7 @@ use std::path::Path;
 use anyhow::Context as _;
 use serde::Deserialize;
 
+use super::expect::{Answer, Expectation};
 use super::host::PluginHost;
 use super::limits::PluginLimits;
 use super::model::{PlanInput, PluginFailed};
@@ -70,7 +80,26 @@ struct Cases {
     seed: Option<u64>,
     #[serde(default)]
     config: String,
-    orders: Vec<OrderBody>,
+    /// Each an order body, plus an optional `expect`: read by [`read_case`].
+    orders: Vec<toml::Table>,
+}
+
+/// One order of a cases file and what it must produce, if anything.
+struct Case {
+    order: OrderRequest,
+    expect: Option<Expectation>,
+}
+
+/// Reads `orders[index]`: the body exactly as `POST /v1/orders` takes it, and its `expect`.
+fn read_case(index: usize, mut table: toml::Table) -> anyhow::Result<Case> {
+    let expect = table
+        .remove("expect")
+        .map(Expectation::from_toml)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("orders[{index}].expect: {e}"))?;
+    let body: OrderBody = toml::Value::Table(table).try_into().with_context(|| format!("orders[{index}]"))?;
+    let order = body.validate(MAX_ORDER_LINES).map_err(|(field, e)| anyhow::anyhow!("orders[{index}].{field}: {e}"))?;
+    Ok(Case { order, expect })
 }
 
 /// Checks the plugin at `path` under `limits` (a server's configured limits) and prints the
@@ -128,13 +157,12 @@ pub(crate) async fn check_to(
         .orders
         .into_iter()
         .enumerate()
-        .map(|(i, body)| {
-            body.validate(MAX_ORDER_LINES).map_err(|(field, e)| anyhow::anyhow!("orders[{i}].{field}: {e}"))
-        })
-        .collect::<anyhow::Result<Vec<OrderRequest>>>()?;
+        .map(|(i, table)| read_case(i, table))
+        .collect::<anyhow::Result<Vec<Case>>>()
+        .context("invalid cases file")?;
 
-    let mut misbehaved = 0;
-    for order in &orders {
+    let (mut misbehaved, mut expected, mut unexpected) = (0, 0, 0);
+    for Case { order, expect } in &orders {
         let input = PlanInput {
             tenant: &tenant,
             order,
@@ -145,18 +173,42 @@ pub(crate) async fn check_to(
         let lines = order.lines.len();
         write!(out, "order {} ({lines} line{}): ", order.order_id, if lines == 1 { "" } else { "s" })?;
         let (planned, cost) = plugin.plan_measured(&input);
-        match planned {
-            Ok(plan) => writeln!(out, "{}", serde_json::to_string_pretty(&plan)?)?,
-            Err(PluginFailed::Refused(reason)) => writeln!(out, "refused: {reason}")?,
+        let answer = match &planned {
+            Ok(plan) => {
+                writeln!(out, "{}", serde_json::to_string_pretty(plan)?)?;
+                Some(Answer::Planned(plan))
+            }
+            Err(PluginFailed::Refused(reason)) => {
+                writeln!(out, "refused: {reason}")?;
+                Some(Answer::Refused(reason))
+            }
             Err(failed) => {
                 misbehaved += 1;
                 writeln!(out, "FAILED ({}): {failed}", failed.kind())?;
+                None
             }
-        }
+        };
         let budget = limits.fuel_per_call;
         let share = cost.fuel_used as f64 * 100.0 / budget as f64;
         writeln!(out, "  fuel: {} of {budget} ({share:.1}% of the budget)", cost.fuel_used)?;
+        // A misbehaving plugin has already failed the check; its answer is not compared.
+        if let (Some(expect), Some(answer)) = (expect, answer) {
+            match expect.compare(answer) {
+                Ok(()) => {
+                    expected += 1;
+                    writeln!(out, "  expect: as expected")?;
+                }
+                Err(difference) => {
+                    unexpected += 1;
+                    writeln!(out, "  expect: MISMATCH: {difference}")?;
+                }
+            }
+        }
     }
-    anyhow::ensure!(misbehaved == 0, "{name}: the plugin failed on {misbehaved} of {} orders", orders.len());
+    let total = orders.len();
+    let checked = expected + unexpected;
+    writeln!(out, "{total} orders: {misbehaved} failed; {checked} with expectations, {unexpected} not met")?;
+    anyhow::ensure!(misbehaved == 0, "{name}: the plugin failed on {misbehaved} of {total} orders");
+    anyhow::ensure!(unexpected == 0, "{name}: {unexpected} of {total} orders did not plan as expected");
     Ok(())
 }

@@ -9,7 +9,7 @@
 //! fuel and memory, and validates every index, key and number it returns before the core
 //! sees them. A plugin that traps, runs out of fuel or memory, refuses the order or returns a
 //! bad plan fails that call only ([`PluginFailed`]); its instance is thrown away and the host
-//! carries on. [`check`] is the `stockd plugin check` command.
+//! carries on. [`check`] is the `stockd plugin check` command, [`scaffold`] `stockd plugin new`.
 //!
 //! Example plugins and hostile test fixtures live in `plugins/` (see `plugins/README.md`);
 //! `plugins/build.sh` builds them into `plugins/dist/`.
@@ -18,12 +18,14 @@ mod bindings;
 pub mod check;
 pub mod compile;
 mod convert;
+mod expect;
 mod host;
 mod limits;
 mod model;
 pub mod pool;
 pub mod precheck;
 pub mod registry;
+pub mod scaffold;
 
 #[cfg(test)]
 mod tests;

@@ -406,6 +406,47 @@ fn check_prints_plans_and_fails_only_on_misbehaviour() {
     assert!(result.err().map(|e| e.to_string()).unwrap_or_default().contains("invalid plugin"));
 }
 
+#[test]
+fn check_compares_each_answer_with_its_expectation() {
+    // Proves `expect` in a cases file: flash-sale's plan and refusal as expected pass, with one
+    // line each saying so; a wrong limit key fails the check, naming where the plan differs,
+    // while the other orders are still run and reported.
+    let host = shared_host();
+    let run = |cases: &str| {
+        let mut out = Vec::new();
+        let result = block_on(check::check_to(&mut out, host, "flash-sale", &wasm("flash-sale"), cases, NOW_MS));
+        (result.map_err(|e| e.to_string()), String::from_utf8_lossy(&out).into_owned())
+    };
+    let cases = |limit_key: &str| {
+        format!(
+            "config = \"buckets = 2\"\n\n[[orders]]\norder_id = \"A\"\nuser_id = \"u-1\"\naction = \"deduct\"\n\
+             lines = [{{ key = \"sku-1\", qty = 1 }}]\n\n[orders.expect]\npolicy = \"all_or_nothing\"\n\
+             lines = [{{ line = 0, qty = 1, limit = {{ key = \"{limit_key}\", max = 1 }}, \
+             targets = [{{ resource = \"sku-1\", kind = \"inventory\" }}] }}]\n\n\
+             [[orders]]\norder_id = \"B\"\naction = \"deduct\"\nlines = [{{ key = \"sku-1\", qty = 1 }}]\n\
+             expect = {{ refused = \"has no user_id\" }}\n"
+        )
+    };
+    let (result, out) = run(&cases("flash:sku-1:u-1"));
+    assert_eq!(result, Ok(()), "{out}");
+    assert_eq!(out.matches("  expect: as expected").count(), 2, "{out}");
+    assert!(out.contains("2 orders: 0 failed; 2 with expectations, 0 not met"), "{out}");
+
+    let (result, out) = run(&cases("flash:sku-1:u-2"));
+    assert_eq!(result, Err("flash-sale: 1 of 2 orders did not plan as expected".to_owned()), "{out}");
+    assert!(
+        out.contains(
+            "  expect: MISMATCH: plan.lines[0].limit.key: expected \"flash:sku-1:u-2\", the plan has \"flash:sku-1:u-1\""
+        ),
+        "{out}"
+    );
+    assert!(out.contains("order B (1 line): refused:"), "the other order still runs: {out}");
+
+    let (result, _) =
+        run("[[orders]]\norder_id = \"C\"\naction = \"deduct\"\nlines = [{ key = \"k\", qty = 1 }]\nexpect = 3\n");
+    assert!(result.is_err_and(|e| e.contains("invalid cases file")), "a malformed expect is refused");
+}
+
 /// Measures the cost of one plan call (conversion, call, validation) for the default plugin,
 /// on a live instance and with a fresh instance per call, and proves thousands of calls in a
 /// row (through instance recycling) all succeed. For figures worth quoting, run it in release

@@ -24,6 +24,7 @@ mod nats_sink;
 mod ops;
 mod orders;
 mod plugin_isolation;
+mod plugin_new;
 mod plugins;
 mod procfs;
 mod rate_limits;
