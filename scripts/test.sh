@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every check and test stockd has: formatting, lints, unit tests, and the black-box HTTP
 # suite against the real server binary on each storage backend (SQLite, then PostgreSQL, then
-# MySQL on MariaDB), and the fault tests on a throwaway PostgreSQL and a throwaway MariaDB.
+# MySQL on MariaDB), the fault tests on a throwaway PostgreSQL and a throwaway MariaDB, and
+# schemathesis against a fresh server and its own OpenAPI document (scripts/schemathesis.sh).
 # This is the README's test command and exactly what CI runs. It starts PostgreSQL when none
 # answers on 127.0.0.1:5432, MariaDB when none answers on 127.0.0.1:3306, Redis when none
 # answers on 127.0.0.1:6379 and NATS with JetStream when none answers on 127.0.0.1:4222,
@@ -153,3 +154,6 @@ STOCKD_TEST_BACKEND=postgres cargo test --test api --locked
 
 echo "== cargo test (HTTP suite on MySQL, on MariaDB; fault tests on MariaDB)"
 STOCKD_TEST_BACKEND=mysql cargo test --test api --test faults --locked
+
+echo "== schemathesis (the server against its own OpenAPI document, see docs/TESTING.md)"
+bash scripts/schemathesis.sh

@@ -29,9 +29,12 @@ pub const MAX_RATE: u32 = 10_000_000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RateLimit {
-    /// Tokens added per second; 0: no limit at all.
+    /// Tokens added per second, at most 10^7; 0: no limit at all.
+    #[schema(maximum = 10_000_000)]
     pub requests_per_second: u32,
-    /// Most tokens the bucket holds: how many requests may arrive at once after a quiet spell.
+    /// Most tokens the bucket holds: how many requests may arrive at once after a quiet spell
+    /// (1..=10^7; not checked when `requests_per_second` is 0).
+    #[schema(maximum = 4_294_967_295_i64)]
     pub burst: u32,
 }
 

@@ -1,6 +1,6 @@
 //! Tenant administration (admin token): tenants, their API keys and their request rates.
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, post, put};
@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::error::ApiError;
-use super::extract::{Admin, ValidJson};
+use super::extract::{Admin, Path, ValidJson};
 use super::SharedState;
 use crate::auth::mint_api_key;
 use crate::engine::TenantId;
@@ -136,7 +136,7 @@ pub async fn list_tenants(_: Admin, State(state): State<SharedState>) -> Result<
 
 /// Issues another API key for a tenant.
 #[utoipa::path(post, path = "/v1/admin/tenants/{id}/api-keys", tag = "admin", security(("admin_token" = [])),
-    params(("id" = String, Path)),
+    params(("id" = String, Path, pattern = r"^[a-z0-9-]{1,64}$")),
     responses(
         (status = 201, body = CreatedApiKey),
         (status = 404, description = "tenant_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -158,7 +158,7 @@ pub async fn create_api_key(
 
 /// Revokes an API key; it fails with 401 at once.
 #[utoipa::path(delete, path = "/v1/admin/tenants/{id}/api-keys/{key_id}", tag = "admin", security(("admin_token" = [])),
-    params(("id" = String, Path), ("key_id" = String, Path)),
+    params(("id" = String, Path, pattern = r"^[a-z0-9-]{1,64}$"), ("key_id" = String, Path, min_length = 1, max_length = 128)),
     responses(
         (status = 204, description = "revoked"),
         (status = 404, description = "api_key_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -189,7 +189,7 @@ pub async fn revoke_api_key(
 /// Sets the tenant's own request rate (`requests_per_second` 0: no limit). It applies at once in
 /// this process and within `[auth] cache_ttl_ms` in the others; the tenant's bucket starts full.
 #[utoipa::path(put, path = "/v1/admin/tenants/{id}/rate-limit", tag = "admin", security(("admin_token" = [])),
-    params(("id" = String, Path)), request_body = RateLimit,
+    params(("id" = String, Path, pattern = r"^[a-z0-9-]{1,64}$")), request_body = RateLimit,
     responses(
         (status = 200, body = TenantRate),
         (status = 400, description = "validation_failed", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -210,7 +210,7 @@ pub async fn set_rate_limit(
 
 /// Returns the tenant to the server's `[rate_limits]` default.
 #[utoipa::path(delete, path = "/v1/admin/tenants/{id}/rate-limit", tag = "admin", security(("admin_token" = [])),
-    params(("id" = String, Path)),
+    params(("id" = String, Path, pattern = r"^[a-z0-9-]{1,64}$")),
     responses(
         (status = 204, description = "the server default applies"),
         (status = 404, description = "tenant_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),

@@ -27,9 +27,11 @@ pub fn routes() -> Router<SharedState> {
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct EventParams {
     /// Only events with a larger sequence number (default 0: from the oldest kept).
+    #[param(minimum = 0)]
     pub after: Option<i64>,
     /// Comma-separated event types (default: all).
     pub types: Option<String>,
@@ -116,6 +118,13 @@ fn types(param: Option<&str>) -> Result<Vec<EventType>, ApiError> {
     Ok(types)
 }
 
+/// The longest `wait`: `[events] max_wait_seconds`, kept a second under the request timeout so
+/// a poll always answers before it.
+pub fn max_wait(settings: &super::ApiSettings) -> Duration {
+    Duration::from_secs(settings.events.max_wait_seconds)
+        .min(settings.request_timeout.saturating_sub(Duration::from_secs(1)))
+}
+
 /// The tenant's committed events after `after`, oldest first. With `wait`, an empty page is
 /// answered only once `wait` seconds passed without a new event.
 #[utoipa::path(get, path = "/v1/events", tag = "events", security(("api_key" = [])),
@@ -143,9 +152,7 @@ pub async fn events(
     };
     let limit = page_limit(params.limit)?;
     let settings = &state.settings.events;
-    // Kept a second under the request timeout, so a poll always answers before it.
-    let most = Duration::from_secs(settings.max_wait_seconds)
-        .min(state.settings.request_timeout.saturating_sub(Duration::from_secs(1)));
+    let most = max_wait(&state.settings);
     let wait = match params.wait.unwrap_or(0) {
         s if Duration::from_secs(s) <= most => Duration::from_secs(s),
         _ => return Err(ApiError::validation("wait", format!("must be between 0 and {}", most.as_secs()))),

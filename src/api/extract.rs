@@ -122,6 +122,21 @@ impl<S: Send + Sync> FromRequestParts<S> for IdemKey {
     }
 }
 
+/// Path parameters. axum's own rejection (a segment that is not UTF-8 once percent-decoded) is
+/// plain text; this one is `400 validation_failed`, like every other malformed input.
+pub struct Path<T>(pub T);
+
+impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for Path<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(Path(value)),
+            Err(rejection) => Err(ApiError::validation("path", rejection.body_text())),
+        }
+    }
+}
+
 /// A strictly parsed JSON body, plus the hash that identifies the request for idempotency.
 pub struct ValidJson<T> {
     pub value: T,

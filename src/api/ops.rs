@@ -6,7 +6,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::json;
-use utoipa::OpenApi;
 
 use super::error::ApiError;
 use super::SharedState;
@@ -31,7 +30,7 @@ pub async fn healthz() -> Response {
 /// run, how often it panicked and was restarted, and its stuck threshold.
 #[utoipa::path(get, path = "/readyz", tag = "operations", responses(
     (status = 200, description = "ready"),
-    (status = 503, description = "storage or Redis unreachable (`unavailable`), or a background job stuck (`job_stuck`)", body = crate::problem::Problem, content_type = "application/problem+json"),
+    (status = 503, description = "storage or Redis unreachable, or a background job stuck (`job_stuck`)", body = crate::problem::Problem, content_type = "application/problem+json"),
 ))]
 pub async fn readyz(State(state): State<SharedState>) -> Result<Json<serde_json::Value>, ApiError> {
     state.storage.ready().await?;
@@ -66,7 +65,10 @@ pub async fn readyz(State(state): State<SharedState>) -> Result<Json<serde_json:
 const STUCK_RETRY_AFTER_S: u32 = 5;
 
 /// Prometheus text exposition.
-#[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
+#[utoipa::path(get, path = "/metrics", tag = "operations", responses(
+    (status = 200, description = "Prometheus text format", content_type = "text/plain"),
+    (status = 404, description = "no metrics recorder in this process (plain text)", content_type = "text/plain"),
+))]
 pub async fn metrics_text(State(state): State<SharedState>) -> Response {
     match &state.metrics {
         Some(handle) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response(),
@@ -76,6 +78,6 @@ pub async fn metrics_text(State(state): State<SharedState>) -> Response {
 
 /// This document.
 #[utoipa::path(get, path = "/openapi.json", tag = "operations", responses((status = 200, description = "OpenAPI 3 document")))]
-pub async fn openapi() -> Json<utoipa::openapi::OpenApi> {
-    Json(super::docs::ApiDoc::openapi())
+pub async fn openapi(State(state): State<SharedState>) -> Json<utoipa::openapi::OpenApi> {
+    Json(super::docs::document(&state.settings))
 }

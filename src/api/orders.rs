@@ -1,7 +1,7 @@
 //! Orders: deduct or reserve several lines at once, idempotently; the dry run; an order as the
 //! ledger knows it, and its reversals.
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -9,7 +9,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::error::ApiError;
-use super::extract::{IdemKey, Tenant, ValidJson};
+use super::extract::{IdemKey, Path, Tenant, ValidJson};
 use super::{idempotent_response, SharedState};
 use crate::engine::order::OrderBody;
 use crate::engine::reversal::{OrderLedger, ReversalBody, ReversalDocument};
@@ -54,14 +54,14 @@ fn record_outcome(status: OrderStatus, lines: &[LineResult]) {
 /// `Idempotency-Key`; a retry returns the first outcome with `Idempotent-Replayed: true`.
 #[utoipa::path(post, path = "/v1/orders", tag = "orders", request_body = OrderBody,
     security(("api_key" = [])),
-    params(("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters")),
+    params(("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters", pattern = r"^[\x21-\x7e]{1,255}$")),
     responses(
         (status = 201, description = "succeeded or partial", body = OrderDocument),
         (status = 400, description = "validation_failed / idempotency_key_missing", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 409, description = "rejected: nothing applied", body = OrderDocument),
         (status = 422, description = "idempotency_key_mismatch / plugin_failed", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 429, description = "too_many_requests: the tenant's share of plugin calls is in use; nothing applied, retry after Retry-After", body = crate::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = "unavailable: nothing applied", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "redis_not_warmed: a redis-mode resource Redis does not hold; nothing applied", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn create_order(
     Tenant(auth): Tenant,
@@ -85,7 +85,6 @@ pub async fn create_order(
         (status = 400, body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 422, description = "plugin_failed", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 429, description = "too_many_requests: the tenant's share of plugin calls is in use", body = crate::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = "unavailable", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn dry_run(
     Tenant(auth): Tenant,
@@ -99,11 +98,11 @@ pub async fn dry_run(
 /// The order as stockd knows it from its ledger: per line, its resource (and buckets), what was
 /// deducted or confirmed, what is held, released and reversed, and what is still reversible.
 #[utoipa::path(get, path = "/v1/orders/{order_id}", tag = "orders", security(("api_key" = [])),
-    params(("order_id" = String, Path, description = "the order id the orders were sent with")),
+    params(("order_id" = String, Path, description = "the order id the orders were sent with", pattern = r"^[\x21-\x7e]{1,128}$")),
     responses(
         (status = 200, body = OrderLedger),
         (status = 404, description = "order_not_found: this tenant never applied the order", body = crate::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = "unavailable", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "unavailable: a sale made in Redis is not settled yet", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn get_order(
     Tenant(auth): Tenant,
@@ -121,8 +120,8 @@ pub async fn get_order(
 #[utoipa::path(post, path = "/v1/orders/{order_id}/reversals", tag = "orders", request_body = ReversalBody,
     security(("api_key" = [])),
     params(
-        ("order_id" = String, Path, description = "the order id the orders were sent with"),
-        ("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters"),
+        ("order_id" = String, Path, description = "the order id the orders were sent with", pattern = r"^[\x21-\x7e]{1,128}$"),
+        ("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters", pattern = r"^[\x21-\x7e]{1,255}$"),
     ),
     responses(
         (status = 201, description = "reversed", body = ReversalDocument),
@@ -130,7 +129,7 @@ pub async fn get_order(
         (status = 404, description = "order_not_found: nothing applied, nothing stored", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 409, description = "exceeds_reversible / reservation_held: nothing applied; a stored outcome", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 422, description = "idempotency_key_mismatch / redis_order_unsupported", body = crate::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = "unavailable / redis_not_warmed: nothing applied", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "redis_not_warmed, or the sale is not settled yet: nothing applied", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn reverse_order(
     Tenant(auth): Tenant,

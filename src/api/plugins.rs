@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, QueryRejection};
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use super::extract::Tenant;
+use super::extract::{Path, Tenant};
 use super::SharedState;
 use crate::plugin::{Active, LoadError};
 use crate::storage::{PluginUpload, PluginVersion};
@@ -31,11 +31,19 @@ pub fn routes(max_wasm_bytes: usize) -> Router<SharedState> {
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct UploadParams {
     /// The plugin's configuration text (up to 4096 bytes), passed to every plan call.
+    #[param(max_length = 4096)]
     pub config: Option<String>,
 }
+
+/// The body of an upload: a WebAssembly component's bytes (the document's name for them; the
+/// handler reads the raw body).
+#[derive(ToSchema)]
+#[schema(value_type = String, format = Binary)]
+pub struct WasmComponent(#[allow(dead_code)] Vec<u8>);
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Uploaded {
@@ -89,14 +97,14 @@ fn load_failed(error: LoadError) -> ApiError {
 /// `[plugins] max_versions_per_tenant` versions, the oldest are deleted (never the version that
 /// was active until now).
 #[utoipa::path(put, path = "/v1/plugin", tag = "plugins", security(("api_key" = [])), params(UploadParams),
-    request_body(content = Vec<u8>, content_type = "application/wasm"),
+    request_body(content = WasmComponent, content_type = "application/wasm"),
     responses(
         (status = 201, body = Uploaded),
         (status = 413, description = "payload_too_large", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 415, description = "unsupported_media_type", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 422, description = "plugin_invalid: invalid, or too complex to compile within limits", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 429, description = "too_many_requests: another plugin of this tenant is compiling", body = crate::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = "unavailable: every compiler is busy, or shutting down", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "every compiler is busy, or shutting down", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn put_plugin(
     Tenant(auth): Tenant,
@@ -191,10 +199,13 @@ pub async fn list_versions(
 /// Makes a stored version active (0: the built-in default). Orders already planned finish on
 /// the version they started with.
 #[utoipa::path(post, path = "/v1/plugin/versions/{version}/activate", tag = "plugins", security(("api_key" = [])),
-    params(("version" = i64, Path)),
+    params(("version" = i64, Path, minimum = 0)),
     responses(
         (status = 200, body = Uploaded),
         (status = 404, description = "plugin_version_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "plugin_invalid: the version no longer compiles under today's limits", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "too_many_requests: another plugin of this tenant is compiling", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "every compiler is busy, or shutting down", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn activate(
     Tenant(auth): Tenant,

@@ -2,14 +2,14 @@
 //! and the action are their identity, so repeating one is harmless.
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use super::extract::{page_limit, query, Tenant};
+use super::extract::{page_limit, query, Path, Tenant};
 use super::SharedState;
 use crate::engine::{Pass, Reservation, ReservationState};
 use crate::storage::Transition;
@@ -56,7 +56,7 @@ fn answer(transition: Transition) -> Result<Json<Reservation>, ApiError> {
 
 /// A reservation and its state.
 #[utoipa::path(get, path = "/v1/reservations/{id}", tag = "reservations", security(("api_key" = [])),
-    params(("id" = String, Path)),
+    params(("id" = String, Path, min_length = 1, max_length = 64)),
     responses(
         (status = 200, body = Reservation),
         (status = 404, description = "reservation_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -76,6 +76,7 @@ pub async fn get_reservation(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct HeldParams {
     /// 1..=1000 (default 100).
@@ -106,7 +107,7 @@ pub async fn list_held(
 
 /// Held → confirmed (reserved → consumed). Again on a confirmed one: the same 200.
 #[utoipa::path(post, path = "/v1/reservations/{id}/confirm", tag = "reservations", security(("api_key" = [])),
-    params(("id" = String, Path)),
+    params(("id" = String, Path, min_length = 1, max_length = 64)),
     responses(
         (status = 200, body = Reservation),
         (status = 404, description = "reservation_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -123,7 +124,7 @@ pub async fn confirm(
 
 /// Held → released (reserved → available). Again, or on an expired one: 200 with its state.
 #[utoipa::path(post, path = "/v1/reservations/{id}/release", tag = "reservations", security(("api_key" = [])),
-    params(("id" = String, Path)),
+    params(("id" = String, Path, min_length = 1, max_length = 64)),
     responses(
         (status = 200, body = Reservation),
         (status = 404, description = "reservation_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -140,6 +141,7 @@ pub async fn release(
 
 /// Unknown parameters are ignored, as they were before `pass` existed.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ReconciliationParams {
     /// `incremental` (default): each resource from its last clean checkpoint; `full`: from its
     /// whole ledger, which also finds history changed below a checkpoint.

@@ -1,7 +1,7 @@
 //! Resources: create, read, list, activate/deactivate, adjust (idempotent), ledger pages.
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use super::extract::{page_limit, query, IdemKey, Tenant, ValidJson};
+use super::extract::{page_limit, query, IdemKey, Path, Tenant, ValidJson};
 use super::{idempotent_response, SharedState};
 use crate::engine::{Kind, LedgerEntry, Mode, ResourceKey, ResourceState, ResourceStatus, MAX_TOTAL};
 use crate::pipeline::Refusal;
@@ -33,10 +33,12 @@ pub struct CreateResource {
     pub key: ResourceKey,
     pub kind: Kind,
     /// Opening total, 0..=10^15, in the smallest unit.
+    #[schema(minimum = 0, maximum = 1_000_000_000_000_000_i64)]
     pub total: i64,
     /// Number of bucket rows the counters are split over, 1..=1024 (default 1). Orders fall
     /// back across buckets, so a line is refused only when the total available cannot cover it.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 1024)]
     pub buckets: Option<i64>,
     /// Deduction path: "db" (default) or "redis" (needs `[redis]`; see docs/REDIS.md).
     #[serde(default)]
@@ -44,6 +46,7 @@ pub struct CreateResource {
     /// Low-stock threshold, 0..=10^15: `resource.low_stock` is emitted when available falls to
     /// it or under (docs/EVENTS.md). Absent: none.
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 1_000_000_000_000_000_i64)]
     pub low_stock: Option<i64>,
 }
 
@@ -58,7 +61,7 @@ pub struct PatchResource {
     pub mode: Option<Mode>,
     /// Sets the low-stock threshold (0..=10^15), or clears it with `null`.
     #[serde(default, deserialize_with = "present")]
-    #[schema(value_type = Option<i64>)]
+    #[schema(value_type = Option<i64>, minimum = 0, maximum = 1_000_000_000_000_000_i64)]
     pub low_stock: Option<Option<i64>>,
 }
 
@@ -84,27 +87,34 @@ fn low_stock_threshold(value: Option<i64>) -> Result<Option<i64>, ApiError> {
 #[serde(deny_unknown_fields)]
 pub struct Adjustment {
     /// Restock (+) or write-off (−); non-zero, |delta| <= 10^12.
+    #[schema(minimum = -1_000_000_000_000_i64, maximum = 1_000_000_000_000_i64)]
     pub delta: i64,
     /// Free text for the operator, up to 200 characters.
     #[serde(default)]
+    #[schema(max_length = 200)]
     pub reason: Option<String>,
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ListParams {
     /// Only keys starting with this.
+    #[param(pattern = r"^[A-Za-z0-9._:@-]*$", max_length = 200)]
     pub prefix: Option<String>,
     /// Exclusive cursor: the last key of the previous page.
+    #[param(pattern = r"^[A-Za-z0-9._:@-]*$", max_length = 200)]
     pub after: Option<String>,
     /// 1..=1000, default 100.
     pub limit: Option<u32>,
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct LedgerParams {
-    /// Exclusive cursor: the last `seq` of the previous page.
+    /// Exclusive cursor: the last `seq` of the previous page (digits; empty: from the first).
+    #[param(pattern = r"^[0-9]*$", max_length = 19)]
     pub after: Option<String>,
     /// 1..=1000, default 100.
     pub limit: Option<u32>,
@@ -196,7 +206,7 @@ pub async fn create_resource(
 
 /// A resource's state.
 #[utoipa::path(get, path = "/v1/resources/{key}", tag = "resources", security(("api_key" = [])),
-    params(("key" = String, Path)),
+    params(("key" = String, Path, pattern = r"^[A-Za-z0-9._:@-]{1,200}$")),
     responses(
         (status = 200, body = ResourceState),
         (status = 404, description = "resource_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -234,7 +244,7 @@ pub async fn list_resources(
 
 /// Activates or deactivates a resource, or switches its mode (warming or draining Redis).
 #[utoipa::path(patch, path = "/v1/resources/{key}", tag = "resources", request_body = PatchResource,
-    security(("api_key" = [])), params(("key" = String, Path)),
+    security(("api_key" = [])), params(("key" = String, Path, pattern = r"^[A-Za-z0-9._:@-]{1,200}$")),
     responses(
         (status = 200, body = ResourceState),
         (status = 404, description = "resource_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -274,12 +284,14 @@ pub async fn patch_resource(
 /// Restock (+) or write-off (−). Requires `Idempotency-Key`.
 #[utoipa::path(post, path = "/v1/resources/{key}/adjustments", tag = "resources", request_body = Adjustment,
     security(("api_key" = [])),
-    params(("key" = String, Path), ("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters")),
+    params(("key" = String, Path, pattern = r"^[A-Za-z0-9._:@-]{1,200}$"), ("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters", pattern = r"^[\x21-\x7e]{1,255}$")),
     responses(
         (status = 200, body = ResourceState),
         (status = 404, description = "resource_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 409, description = "insufficient", body = crate::problem::Problem, content_type = "application/problem+json"),
-        (status = 422, description = "idempotency_key_mismatch", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 400, description = "idempotency_key_missing: no Idempotency-Key header", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "idempotency_key_mismatch / total_out_of_range: a restock past a total of 10^15", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "redis_not_warmed: a redis-mode resource Redis does not hold", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn adjust(
     Tenant(auth): Tenant,
@@ -300,7 +312,7 @@ pub async fn adjust(
 
 /// The resource's ledger, oldest first (from the start, after a cursor, or its newest entries).
 #[utoipa::path(get, path = "/v1/resources/{key}/ledger", tag = "resources", security(("api_key" = [])),
-    params(("key" = String, Path), LedgerParams),
+    params(("key" = String, Path, pattern = r"^[A-Za-z0-9._:@-]{1,200}$"), LedgerParams),
     responses(
         (status = 200, body = LedgerPage),
         (status = 404, description = "resource_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -316,10 +328,10 @@ pub async fn ledger(
     let limit = page_limit(params.limit)?;
     let after = match params.after.as_deref() {
         None | Some("") => 0,
-        Some(s) => s
-            .parse::<i64>()
-            .ok()
-            .filter(|n| *n >= 0)
+        // 1-19 digits, as documented: `parse` alone would also take a sign or leading zeros.
+        Some(s) => (s.len() <= 19 && s.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| s.parse::<i64>().ok())
+            .flatten()
             .ok_or_else(|| ApiError::validation("after", "must be a ledger seq"))?,
     };
     let from = match params.newest {

@@ -1,12 +1,12 @@
 //! Redis mode over HTTP: the warm endpoint, and how redis mode's refusals are answered. What
 //! redis mode does lives in [`crate::redis_mode`]; orders reach it through the pipeline.
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
 
 use super::error::ApiError;
-use super::extract::Tenant;
+use super::extract::{Path, Tenant};
 use super::SharedState;
 use crate::engine::ResourceKey;
 use crate::redis_mode::{RedisDrift, RedisModeError};
@@ -68,12 +68,13 @@ impl From<RedisModeError> for ApiError {
 /// Redis is settled: after a Redis restart or failover, or to end drift. Sales pause (503 with
 /// `Retry-After`) while it runs. Answers Redis against the database afterwards.
 #[utoipa::path(post, path = "/v1/resources/{key}/warm", tag = "resources", security(("api_key" = [])),
-    params(("key" = String, Path)),
+    params(("key" = String, Path, pattern = r"^[A-Za-z0-9._:@-]{1,200}$")),
     responses(
         (status = 200, body = RedisDrift),
         (status = 404, description = "resource_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
         (status = 409, description = "resource_not_redis: the resource is in db mode", body = crate::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = "unavailable: Redis unreachable or the backlog did not drain", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 400, description = "validation_failed: a key that cannot exist, or no `[redis]` on this server", body = crate::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Redis unreachable, the backlog did not drain, or another warm or switch took over", body = crate::problem::Problem, content_type = "application/problem+json"),
     ))]
 pub async fn warm(
     Tenant(auth): Tenant,

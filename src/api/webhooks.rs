@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use super::extract::{page_limit, query, Tenant, ValidJson};
+use super::extract::{page_limit, query, Path, Tenant, ValidJson};
 use super::SharedState;
 use crate::events::EventType;
 use crate::time::{now_ms, Timestamp};
@@ -55,6 +55,7 @@ pub struct RotateSecret {
     /// How long the current secret keeps signing beside the new one (0..=604800; default
     /// `[events.webhooks] rotation_grace_seconds`).
     #[serde(default)]
+    #[schema(maximum = 604800)]
     pub grace_seconds: Option<u64>,
 }
 
@@ -63,9 +64,11 @@ pub struct RotateSecret {
 pub struct RedeliverRequest {
     /// Queue this event again (one of the tenant's, still in the feed).
     #[serde(default)]
+    #[schema(pattern = r"^evt_[\x21-\x7e]{0,60}$")]
     pub event_id: Option<String>,
     /// Queue every event of the endpoint's types after this sequence number again.
     #[serde(default)]
+    #[schema(minimum = 0)]
     pub after: Option<i64>,
 }
 
@@ -170,6 +173,7 @@ pub struct DeliveryPage {
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct DeliveryParams {
     /// Only attempts with a smaller id (default: from the newest).
@@ -291,7 +295,7 @@ pub async fn list_webhooks(Tenant(auth): Tenant, State(state): State<SharedState
 
 /// One endpoint (without its secret), with its queued deliveries.
 #[utoipa::path(get, path = "/v1/webhooks/{id}", tag = "webhooks", security(("api_key" = [])),
-    params(("id" = String, Path, description = "wh_<ULID>")),
+    params(("id" = String, Path, description = "wh_<ULID>", pattern = r"^wh_[A-Za-z0-9]{26}$")),
     responses(
         (status = 200, body = Webhook),
         (status = 404, description = "webhook_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -310,7 +314,7 @@ pub async fn get_webhook(
 
 /// Deletes an endpoint with its queued deliveries and its deliveries log.
 #[utoipa::path(delete, path = "/v1/webhooks/{id}", tag = "webhooks", security(("api_key" = [])),
-    params(("id" = String, Path, description = "wh_<ULID>")),
+    params(("id" = String, Path, description = "wh_<ULID>", pattern = r"^wh_[A-Za-z0-9]{26}$")),
     responses(
         (status = 204),
         (status = 404, description = "webhook_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -332,7 +336,7 @@ pub async fn delete_webhook(
 /// beside it for the grace period, so receivers can switch without missing a delivery.
 #[utoipa::path(post, path = "/v1/webhooks/{id}/rotate", tag = "webhooks", request_body = RotateSecret,
     security(("api_key" = [])),
-    params(("id" = String, Path, description = "wh_<ULID>")),
+    params(("id" = String, Path, description = "wh_<ULID>", pattern = r"^wh_[A-Za-z0-9]{26}$")),
     responses(
         (status = 200, body = CreatedWebhook),
         (status = 400, body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -358,7 +362,7 @@ pub async fn rotate_secret(
 
 /// The endpoint's delivery attempts, newest first: status, latency, error kind.
 #[utoipa::path(get, path = "/v1/webhooks/{id}/deliveries", tag = "webhooks", security(("api_key" = [])),
-    params(("id" = String, Path, description = "wh_<ULID>"), DeliveryParams),
+    params(("id" = String, Path, description = "wh_<ULID>", pattern = r"^wh_[A-Za-z0-9]{26}$"), DeliveryParams),
     responses(
         (status = 200, body = DeliveryPage),
         (status = 400, body = crate::problem::Problem, content_type = "application/problem+json"),
@@ -385,7 +389,7 @@ pub async fn list_deliveries(
 /// (`after`) again.
 #[utoipa::path(post, path = "/v1/webhooks/{id}/redeliver", tag = "webhooks", request_body = RedeliverRequest,
     security(("api_key" = [])),
-    params(("id" = String, Path, description = "wh_<ULID>")),
+    params(("id" = String, Path, description = "wh_<ULID>", pattern = r"^wh_[A-Za-z0-9]{26}$")),
     responses(
         (status = 202, body = Redelivery),
         (status = 400, body = crate::problem::Problem, content_type = "application/problem+json"),

@@ -29,7 +29,10 @@ pub struct OrderBody {
     pub action: Action,
     /// Reserve only: seconds until an unconfirmed reservation is released (1..=604800).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 604800)]
     pub ttl_seconds: Option<i64>,
+    /// 1..=`[orders] max_lines` (100 by default, at most 1000).
+    #[schema(min_items = 1, max_items = 1000)]
     pub lines: Vec<OrderLineBody>,
 }
 

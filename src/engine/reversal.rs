@@ -289,9 +289,11 @@ impl ReversalRefusal {
 pub struct ReversalBody {
     /// What to give back; absent: everything still reversible.
     #[serde(default)]
+    #[schema(max_items = 1000)]
     pub lines: Option<Vec<ReversalLineBody>>,
     /// Why (at most 500 characters), carried in the response and the `order.reversed` event.
     #[serde(default)]
+    #[schema(max_length = 500)]
     pub reason: Option<String>,
 }
 

@@ -23,11 +23,11 @@ fn is_visible_ascii(s: &str) -> bool {
 }
 
 macro_rules! string_newtype {
-    ($(#[$doc:meta])* $name:ident, $check:expr) => {
+    ($(#[$doc:meta])* $name:ident, pattern = $pattern:literal, $check:expr) => {
         $(#[$doc])*
         #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
         #[serde(try_from = "String", into = "String")]
-        #[schema(value_type = String)]
+        #[schema(value_type = String, pattern = $pattern)]
         pub struct $name(String);
 
         impl $name {
@@ -68,6 +68,7 @@ macro_rules! string_newtype {
 string_newtype!(
     /// A tenant id: `[a-z0-9-]{1,64}`.
     TenantId,
+    pattern = r"^[a-z0-9-]{1,64}$",
     |s| {
         let ok = (1..=64).contains(&s.len())
             && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
@@ -78,6 +79,7 @@ string_newtype!(
 string_newtype!(
     /// A resource key: 1-200 characters of `[A-Za-z0-9._:@-]`.
     ResourceKey,
+    pattern = r"^[A-Za-z0-9._:@-]{1,200}$",
     |s| {
         let ok = (1..=200).contains(&s.len())
             && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._:@-".contains(&b));
@@ -88,6 +90,7 @@ string_newtype!(
 string_newtype!(
     /// An idempotency key: 1-255 visible ASCII characters.
     IdempotencyKey,
+    pattern = r"^[\x21-\x7e]{1,255}$",
     |s| {
         if (1..=255).contains(&s.len()) && is_visible_ascii(s) {
             Ok(())
@@ -100,6 +103,7 @@ string_newtype!(
 string_newtype!(
     /// A client's order id: 1-128 visible ASCII characters (not required to be unique).
     OrderId,
+    pattern = r"^[\x21-\x7e]{1,128}$",
     |s| {
         if (1..=128).contains(&s.len()) && is_visible_ascii(s) {
             Ok(())
@@ -112,6 +116,7 @@ string_newtype!(
 string_newtype!(
     /// A client's user id, used by plans for per-user limits: 1-128 visible ASCII characters.
     UserId,
+    pattern = r"^[\x21-\x7e]{1,128}$",
     |s| {
         if (1..=128).contains(&s.len()) && is_visible_ascii(s) {
             Ok(())
@@ -122,10 +127,25 @@ string_newtype!(
 );
 
 /// A positive quantity of one order line, in the resource's smallest unit: 1..=10^12.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "i64", into = "i64")]
-#[schema(value_type = i64, description = "1..=10^12")]
 pub struct Quantity(i64);
+
+/// Written out because the derive cannot give a newtype its bounds.
+impl utoipa::PartialSchema for Quantity {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::Integer)
+            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+            .minimum(Some(1))
+            .maximum(Some(MAX_LINE_QTY))
+            .description(Some("1..=10^12"))
+            .into()
+    }
+}
+
+impl ToSchema for Quantity {}
 
 impl Quantity {
     pub fn new(value: i64) -> Result<Self, InvalidValue> {

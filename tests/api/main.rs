@@ -21,6 +21,7 @@ mod idempotency;
 mod isolation;
 mod jobs;
 mod nats_sink;
+mod openapi;
 mod ops;
 mod orders;
 mod plugin_isolation;
