@@ -75,6 +75,7 @@ impl ThrowawayMariadb {
             .arg(format!("--datadir={}", db.data.display()))
             .args(["--auth-root-authentication-method=normal", "--skip-test-db"])
             .args(SERVER_OPTIONS)
+            .arg(db.tmpdir_option())
             .args(db.user_option())
             .current_dir(db.dir.path())
             .stdin(Stdio::null())
@@ -166,6 +167,7 @@ impl ThrowawayMariadb {
             .arg(format!("--pid-file={}", dir.join("mariadbd.pid").display()))
             .arg(format!("--log-error={}", self.log_path().display()))
             .args(SERVER_OPTIONS)
+            .arg(self.tmpdir_option())
             .args(self.user_option())
             .current_dir(dir)
             .stdin(Stdio::null())
@@ -193,6 +195,14 @@ impl ThrowawayMariadb {
     }
 
     /// `--user=mysql` when we are root (the server switches to it), nothing otherwise.
+    /// Each server's temporary files in its own directory: a MariaDB that starts deletes every
+    /// `#sql*` file in its tmpdir, which in a shared `/tmp` are another running server's
+    /// temporary tables (seen: a parallel test's `mariadb-install-db` failing with "Could not
+    /// remove temporary table '/tmp/#sql-temptable-…'" and "Unknown table 'mysql.tmp_user_sys'").
+    fn tmpdir_option(&self) -> String {
+        format!("--tmpdir={}", self.dir.path().display())
+    }
+
     fn user_option(&self) -> Option<String> {
         self.as_root.then(|| format!("--user={OS_USER}"))
     }
