@@ -20,7 +20,7 @@ use crate::time::{now_ms, Timestamp};
 pub fn routes() -> Router<SharedState> {
     Router::new()
         .route("/v1/admin/tenants", post(create_tenant).get(list_tenants))
-        .route("/v1/admin/tenants/{id}/api-keys", post(create_api_key))
+        .route("/v1/admin/tenants/{id}/api-keys", post(create_api_key).get(list_api_keys))
         .route("/v1/admin/tenants/{id}/api-keys/{key_id}", delete(revoke_api_key))
         .route("/v1/admin/tenants/{id}/rate-limit", put(set_rate_limit).delete(clear_rate_limit))
 }
@@ -74,8 +74,12 @@ pub struct CreatedApiKey {
     pub api_key: String,
 }
 
+fn tenant_not_found() -> ApiError {
+    ApiError::not_found("tenant_not_found", "Tenant not found", "no such tenant")
+}
+
 fn tenant_path(id: &str) -> Result<TenantId, ApiError> {
-    TenantId::parse(id).map_err(|_| ApiError::not_found("tenant_not_found", "Tenant not found", "no such tenant"))
+    TenantId::parse(id).map_err(|_| tenant_not_found())
 }
 
 /// Creates a tenant and its first API key.
@@ -134,6 +138,47 @@ pub async fn list_tenants(_: Admin, State(state): State<SharedState>) -> Result<
     Ok(Json(TenantList { items }))
 }
 
+/// One of a tenant's API keys: its id and dates, never the key (which only its hash records).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApiKeyView {
+    pub key_id: String,
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: Timestamp,
+    /// `null` while the key works.
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub revoked_at: Option<Timestamp>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApiKeyList {
+    pub items: Vec<ApiKeyView>,
+}
+
+/// Lists a tenant's API keys, revoked ones included, oldest first (at most 1,000).
+#[utoipa::path(get, path = "/v1/admin/tenants/{id}/api-keys", tag = "admin", security(("admin_token" = [])),
+    params(("id" = String, Path, pattern = r"^[a-z0-9-]{1,64}$")),
+    responses(
+        (status = 200, body = ApiKeyList),
+        (status = 404, description = "tenant_not_found", body = crate::problem::Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn list_api_keys(
+    _: Admin,
+    State(state): State<SharedState>,
+    Path(id): Path<String>,
+) -> Result<Json<ApiKeyList>, ApiError> {
+    let tenant = tenant_path(&id)?;
+    let keys = state.storage.list_api_keys(&tenant).await?.ok_or_else(tenant_not_found)?;
+    let items = keys
+        .into_iter()
+        .map(|k| ApiKeyView {
+            key_id: k.id,
+            created_at: Timestamp(k.created_at_ms),
+            revoked_at: k.revoked_at_ms.map(Timestamp),
+        })
+        .collect();
+    Ok(Json(ApiKeyList { items }))
+}
+
 /// Issues another API key for a tenant.
 #[utoipa::path(post, path = "/v1/admin/tenants/{id}/api-keys", tag = "admin", security(("admin_token" = [])),
     params(("id" = String, Path, pattern = r"^[a-z0-9-]{1,64}$")),
@@ -152,7 +197,7 @@ pub async fn create_api_key(
         Some(()) => {
             Ok((StatusCode::CREATED, Json(CreatedApiKey { key_id: stored.id, api_key: secret })).into_response())
         }
-        None => Err(ApiError::not_found("tenant_not_found", "Tenant not found", "no such tenant")),
+        None => Err(tenant_not_found()),
     }
 }
 
@@ -227,7 +272,7 @@ pub async fn clear_rate_limit(
 
 async fn store_rate_limit(state: &SharedState, tenant: &TenantId, limit: Option<RateLimit>) -> Result<(), ApiError> {
     let stored = state.storage.set_rate_limit(tenant, limit).await?;
-    stored.ok_or_else(|| ApiError::not_found("tenant_not_found", "Tenant not found", "no such tenant"))?;
+    stored.ok_or_else(tenant_not_found)?;
     // The cached keys carry the old rate; other processes drop theirs within the cache time.
     state.auth.evict_tenant(tenant);
     tracing::info!(tenant = %tenant, ?limit, "tenant rate limit set");

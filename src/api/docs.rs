@@ -20,7 +20,7 @@ use crate::events::EventType;
     info(title = "stockd", description = "Deducts consumable resources exactly once under concurrency, retries and crashes."),
     paths(
         ops::healthz, ops::readyz, ops::metrics_text, ops::openapi,
-        admin::create_tenant, admin::list_tenants, admin::create_api_key, admin::revoke_api_key,
+        admin::create_tenant, admin::list_tenants, admin::create_api_key, admin::list_api_keys, admin::revoke_api_key,
         admin::set_rate_limit, admin::clear_rate_limit,
         resources::create_resource, resources::get_resource, resources::list_resources, resources::patch_resource,
         resources::adjust, resources::ledger, warm::warm,

@@ -221,6 +221,14 @@ pub struct TenantRecord {
     pub rate_limit: Option<RateLimit>,
 }
 
+/// An API key as the admin lists it: its id and dates, never the key or its hash.
+#[derive(Debug, Clone)]
+pub struct ApiKeyInfo {
+    pub id: String,
+    pub created_at_ms: i64,
+    pub revoked_at_ms: Option<i64>,
+}
+
 /// An API key as found by its hash, with its tenant's own request rate.
 #[derive(Debug, Clone)]
 pub struct ApiKeyRecord {
@@ -309,6 +317,9 @@ pub trait Storage: redis_store::RedisStore + crate::webhooks::WebhookStore + Sen
     async fn add_api_key(&self, tenant: &TenantId, key: &NewApiKey, now_ms: i64) -> Result<Option<()>, StorageError>;
     /// Revokes a key; `None` when the tenant has no such unrevoked key.
     async fn revoke_api_key(&self, tenant: &TenantId, key_id: &str, now_ms: i64) -> Result<Option<()>, StorageError>;
+    /// The tenant's API keys, oldest first (at most [`rows::MAX_API_KEYS_LISTED`]); `None` when
+    /// there is no such tenant.
+    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Option<Vec<ApiKeyInfo>>, StorageError>;
     async fn find_api_key(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StorageError>;
     /// Declares a config tenant: created if missing, its name and rate set, its config key (id
     /// `cfg-<tenant>`) set to `key_hash`.

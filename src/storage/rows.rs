@@ -292,6 +292,25 @@ pub fn tenant(row: &dyn Columns) -> Result<TenantRecord, StorageError> {
     })
 }
 
+/// Most keys one tenant's list shows (a tenant rarely has more than a handful).
+pub const MAX_API_KEYS_LISTED: i64 = 1000;
+
+/// A tenant's keys for the admin's list: `$1` the tenant, `$2` the bound. Written in the `$n`
+/// form every backend reads (MySQL through its translator).
+pub const LIST_API_KEYS_SQL: &str = "SELECT id, created_at, revoked_at FROM api_keys
+     WHERE tenant_id = $1 ORDER BY created_at, id LIMIT $2";
+
+/// Whether a tenant exists: `$1` the tenant.
+pub const TENANT_EXISTS_SQL: &str = "SELECT id FROM tenants WHERE id = $1";
+
+pub fn api_key_info(row: &dyn Columns) -> Result<super::ApiKeyInfo, StorageError> {
+    Ok(super::ApiKeyInfo {
+        id: row.text("id")?,
+        created_at_ms: row.int("created_at")?,
+        revoked_at_ms: row.opt_int("revoked_at")?,
+    })
+}
+
 /// The API key columns (`k`) and its tenant's rate (`t`) of [`api_key`].
 pub const API_KEY_COLUMNS: &str = "k.id, k.tenant_id, k.hash, t.rate_limit_rps, t.rate_limit_burst";
 

@@ -232,3 +232,37 @@ async fn tenant_creation_rejects_unknown_fields() {
     let list = app.admin_get("/v1/admin/tenants").await.expect_json(200);
     assert_eq!(list["items"], json!([]));
 }
+
+/// Proves the admin's key list shows each key's id and dates, revoked ones marked, and never a
+/// key or its hash; an unknown tenant is 404 and a tenant's own key cannot read it.
+#[tokio::test]
+async fn the_admin_lists_a_tenants_keys_without_their_secrets() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    let second = app.admin_post("/v1/admin/tenants/shop/api-keys", &json!({})).await.expect_json(201);
+    let second_id = second["key_id"].as_str().unwrap_or_default().to_owned();
+    app.create_tenant("other").await;
+
+    let list = app.admin_get("/v1/admin/tenants/shop/api-keys").await.expect_json(200);
+    let items = list["items"].as_array().unwrap_or_else(|| panic!("items: {list}")).clone();
+    assert_eq!(items.len(), 2, "{list}");
+    assert_eq!(items[1]["key_id"], second_id.as_str(), "oldest first: {list}");
+    assert!(items.iter().all(|k| k["revoked_at"].is_null() && k["created_at"].is_string()), "{list}");
+    let text = list.to_string();
+    for secret in [shop.api_key.as_str(), second["api_key"].as_str().unwrap_or("?")] {
+        assert!(!text.contains(secret), "a key is never listed: {list}");
+    }
+    assert!(items.iter().all(|k| k.as_object().is_some_and(|o| o.len() == 3)), "only id and dates: {list}");
+
+    assert_eq!(app.admin_delete(&format!("/v1/admin/tenants/shop/api-keys/{second_id}")).await.status(), 204);
+    let after = app.admin_get("/v1/admin/tenants/shop/api-keys").await.expect_json(200);
+    assert!(after["items"][0]["revoked_at"].is_null() && after["items"][1]["revoked_at"].is_string(), "{after}");
+
+    assert_problem(&app.admin_get("/v1/admin/tenants/nobody/api-keys").await, 404, "tenant_not_found");
+    assert_eq!(
+        app.admin_get("/v1/admin/tenants/other/api-keys").await.json()["items"].as_array().map(Vec::len),
+        Some(1)
+    );
+    let by_tenant = shop.get("/v1/admin/tenants/shop/api-keys").await;
+    assert!(matches!(by_tenant.status(), 401 | 403), "a tenant key is not the admin token: {}", by_tenant.status());
+}

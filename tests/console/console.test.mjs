@@ -184,6 +184,17 @@ try {
   const check = await fetch(`${base}/v1/resources`, { headers: { Authorization: `Bearer ${secret.trim()}` } });
   if (check.status !== 200) failures.push(`the key shown for ${made} answered ${check.status}`);
   await page.locator(`table[data-testid=tenants] tr[data-tenant="${made}"]`).waitFor({ timeout: DEADLINE_MS });
+  await page.click(`button[data-keys="${made}"]`);
+  const keyRows = page.locator(`[data-testid=api-keys] table[data-tenant="${made}"] tbody tr`);
+  await until('the new tenant\'s one key', async () => (await keyRows.count()) === 1);
+  const firstKeyId = await keyRows.first().getAttribute('data-key-id');
+  await page.click(`table[data-testid=tenants] tr[data-tenant="${made}"] button:has-text("New API key")`);
+  await until('its second key', async () => (await keyRows.count()) === 2);
+  page.once('dialog', (d) => d.accept());
+  await page.click(`button[data-revoke="${firstKeyId}"]`);
+  await until('the first key revoked', async () => (await keyRows.first().textContent()).includes('revoked'));
+  const revoked = await fetch(`${base}/v1/resources`, { headers: { Authorization: `Bearer ${secret.trim()}` } });
+  if (revoked.status !== 401) failures.push(`the key revoked in the console answered ${revoked.status}`);
   await page.screenshot({ path: join(artifacts, 'operator-tenants.png'), fullPage: true });
   await page.goto(`${base}/console/#/health`);
   await until('readiness', async () => (await page.textContent('[data-testid=readiness]')) === 'ready');

@@ -660,8 +660,7 @@
     const message = h('div', { role: 'status' });
     const id = h('input', { id: 'tenant-id', required: true, pattern: '[a-z0-9\\-]{1,64}', maxlength: 64, placeholder: 'acme' });
     const name = h('input', { id: 'tenant-name', required: true, maxlength: 200, placeholder: 'Acme' });
-    const revokeTenant = h('input', { id: 'revoke-tenant', required: true, maxlength: 64, placeholder: 'tenant id' });
-    const revokeKey = h('input', { id: 'revoke-key', required: true, maxlength: 128, placeholder: 'key id' });
+    const keys = h('div', { 'data-testid': 'api-keys' }, h('p', { class: 'muted' }, 'Choose Keys on a tenant to list its API keys.'));
     const shown = (title, text) => message.replaceChildren(h('p', {}, title), h('p', { class: 'secret', 'data-testid': 'new-secret' }, text), h('p', { class: 'muted' }, 'Shown once: stockd keeps only its hash.'));
     const failed = (e) => message.replaceChildren(h('p', { class: 'error' }, problemText(e)));
 
@@ -674,11 +673,22 @@
             ev.preventDefault();
             try { const t = await api('POST', '/v1/admin/tenants', { body: { id: id.value.trim(), name: name.value.trim() } }); shown(`Tenant ${t.id} created. Its API key:`, t.api_key); await load(); } catch (e) { failed(e); }
           } }, h('div', {}, h('label', { for: 'tenant-id' }, 'Id'), id), h('div', {}, h('label', { for: 'tenant-name' }, 'Name'), name), h('button', { type: 'submit' }, 'Create'))),
-        h('section', { class: 'panel' }, h('h2', {}, 'Revoke an API key'),
-          h('form', { class: 'toolbar', onsubmit: async (ev) => {
-            ev.preventDefault();
-            try { await api('DELETE', `/v1/admin/tenants/${encodeURIComponent(revokeTenant.value.trim())}/api-keys/${encodeURIComponent(revokeKey.value.trim())}`); message.replaceChildren(h('p', {}, 'Revoked.')); } catch (e) { failed(e); }
-          } }, h('div', {}, h('label', { for: 'revoke-tenant' }, 'Tenant'), revokeTenant), h('div', {}, h('label', { for: 'revoke-key' }, 'Key id'), revokeKey), h('button', { type: 'submit' }, 'Revoke')))));
+        h('section', { class: 'panel' }, h('h2', {}, 'API keys'), keys)));
+
+    // A tenant's keys (ids and dates; stockd keeps no key, only its hash), each revocable.
+    async function showKeys(tenant) {
+      const list = await api('GET', `/v1/admin/tenants/${encodeURIComponent(tenant)}/api-keys`);
+      keys.replaceChildren(h('p', {}, `Tenant ${tenant}:`), h('table', { 'data-tenant': tenant },
+        h('thead', {}, h('tr', {}, ['key id', 'created', 'state', ''].map((c) => h('th', {}, c)))),
+        h('tbody', {}, list.items.map((k) => h('tr', { 'data-key-id': k.key_id },
+          h('td', {}, k.key_id), h('td', {}, when(k.created_at)),
+          h('td', {}, k.revoked_at ? h('span', { class: 'pill bad' }, 'revoked ' + when(k.revoked_at)) : h('span', { class: 'pill good' }, 'active')),
+          h('td', {}, k.revoked_at ? '' : h('button', { type: 'button', class: 'quiet', 'data-revoke': k.key_id, onclick: async () => {
+            if (!confirm(`Revoke key ${k.key_id} of ${tenant}? Requests with it fail at once.`)) return;
+            try { await api('DELETE', `/v1/admin/tenants/${encodeURIComponent(tenant)}/api-keys/${encodeURIComponent(k.key_id)}`); } catch (e) { failed(e); }
+            await showKeys(tenant);
+          } }, 'Revoke')))))));
+    }
 
     async function load() {
       const page = await api('GET', '/v1/admin/tenants');
@@ -686,8 +696,9 @@
         h('td', {}, t.id), h('td', {}, t.name), h('td', {}, when(t.created_at)),
         h('td', {}, t.rate_limit ? `${num(t.rate_limit.requests_per_second)}/s, burst ${num(t.rate_limit.burst)}` : 'server default'),
         h('td', {}, h('button', { type: 'button', class: 'quiet', onclick: async () => {
-          try { const k = await api('POST', `/v1/admin/tenants/${encodeURIComponent(t.id)}/api-keys`, { body: {} }); shown(`New key ${k.key_id} for ${t.id}:`, k.api_key); } catch (e) { failed(e); }
-        } }, 'New API key')))));
+          try { const k = await api('POST', `/v1/admin/tenants/${encodeURIComponent(t.id)}/api-keys`, { body: {} }); shown(`New key ${k.key_id} for ${t.id}:`, k.api_key); await showKeys(t.id); } catch (e) { failed(e); }
+        } }, 'New API key'), ' ',
+        h('button', { type: 'button', class: 'quiet', 'data-keys': t.id, onclick: () => showKeys(t.id).catch(failed) }, 'Keys')))));
       if (!page.items.length) body.append(h('tr', {}, h('td', { colspan: 5, class: 'muted' }, 'No tenants yet.')));
     }
     every(5000, load);

@@ -52,6 +52,7 @@ where
 use self::port::MyPort;
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
+use super::ApiKeyInfo;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
     OrderExecution, OrderJob, PageFrom, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError,
@@ -266,6 +267,18 @@ impl Storage for MyStorage {
             }),
         )
         .await
+    }
+
+    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Option<Vec<ApiKeyInfo>>, StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        let list = sql::translate(rows::LIST_API_KEYS_SQL);
+        let args = [sql::Arg::Text(tenant.as_str()), sql::Arg::Int(rows::MAX_API_KEYS_LISTED)];
+        let keys = sql::bind_all(&list, &args).fetch_all(&mut *conn).await?;
+        let exists = sql::translate(rows::TENANT_EXISTS_SQL);
+        if keys.is_empty() && sql::bind_all(&exists, &args[..1]).fetch_optional(&mut *conn).await?.is_none() {
+            return Ok(None);
+        }
+        keys.iter().map(|row| rows::api_key_info(row)).collect::<Result<_, _>>().map(Some)
     }
 
     async fn find_api_key(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StorageError> {

@@ -45,6 +45,7 @@ where
 use self::port::PgPort;
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
+use super::ApiKeyInfo;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
     OrderExecution, OrderJob, PageFrom, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError,
@@ -233,6 +234,21 @@ impl Storage for PgStorage {
             }),
         )
         .await
+    }
+
+    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Option<Vec<ApiKeyInfo>>, StorageError> {
+        let mut conn = acquire(&self.pool).await?;
+        let keys = sqlx::query(rows::LIST_API_KEYS_SQL)
+            .bind(tenant.as_str())
+            .bind(rows::MAX_API_KEYS_LISTED)
+            .fetch_all(&mut *conn)
+            .await?;
+        if keys.is_empty()
+            && sqlx::query(rows::TENANT_EXISTS_SQL).bind(tenant.as_str()).fetch_optional(&mut *conn).await?.is_none()
+        {
+            return Ok(None);
+        }
+        keys.iter().map(|row| rows::api_key_info(row)).collect::<Result<_, _>>().map(Some)
     }
 
     async fn find_api_key(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StorageError> {

@@ -23,6 +23,7 @@ use self::port::{all, mapped, SqlitePort};
 use self::readers::Readers;
 use self::writer::{Writer, WriterLimits};
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
+use super::ApiKeyInfo;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
     OrderExecution, OrderJob, PageFrom, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError,
@@ -212,6 +213,23 @@ impl Storage for SqliteStorage {
             .snapshot(|conn| {
                 let sql = format!("SELECT {TENANT_COLUMNS} FROM tenants ORDER BY id LIMIT 10000");
                 all(&mut conn.prepare_cached(&sql)?, [], rows::tenant)
+            })
+            .await
+    }
+
+    async fn list_api_keys(&self, tenant: &TenantId) -> Result<Option<Vec<ApiKeyInfo>>, StorageError> {
+        let tenant = tenant.clone();
+        self.readers
+            .snapshot(move |conn| {
+                let keys = all(
+                    &mut conn.prepare_cached(rows::LIST_API_KEYS_SQL)?,
+                    params![tenant.as_str(), rows::MAX_API_KEYS_LISTED],
+                    rows::api_key_info,
+                )?;
+                let exists = || -> Result<bool, StorageError> {
+                    Ok(conn.prepare_cached(rows::TENANT_EXISTS_SQL)?.exists(params![tenant.as_str()])?)
+                };
+                Ok((!keys.is_empty() || exists()?).then_some(keys))
             })
             .await
     }
