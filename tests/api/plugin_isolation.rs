@@ -678,6 +678,9 @@ fn assert_only_201_then_503(replies: &[Reply]) {
     assert_retry_later(last, 503, "unavailable");
 }
 
+/// How often a time-limit test asks again after `503` (the plan starved of CPU, not stopped).
+const STARVED_RETRIES: usize = 4;
+
 /// Proves the wall-clock deadline of a plan call (`plan_timeout_ms` 200, enforced by epoch
 /// interruption) stops an endless loop that fuel would not stop for days (`fuel_per_call`
 /// 10^15): `422 plugin_failed` saying "time limit", within a few seconds; the server then
@@ -693,7 +696,15 @@ async fn an_endless_loop_with_a_huge_fuel_budget_is_stopped_by_the_time_limit() 
     let shop = tenant(&app, "shop").await;
     upload(&looper, plugin_wasm("hostile-loop"), "").await;
 
-    let reply = within(PLAN_DEADLINE, "an endless loop", &app, order(&looper)).await.expect("an answer");
+    // A call the machine starved of CPU is the server's fault, not the plugin's: `503` (retry),
+    // as a client would (seen once in CI while the machine was compiling beside the suite).
+    let mut reply = within(PLAN_DEADLINE, "an endless loop", &app, order(&looper)).await.expect("an answer");
+    for _ in 0..STARVED_RETRIES {
+        if reply.status() != 503 {
+            break;
+        }
+        reply = within(PLAN_DEADLINE, "an endless loop, again", &app, order(&looper)).await.expect("an answer");
+    }
 
     let problem = assert_problem(&reply, 422, "plugin_failed");
     assert!(problem["detail"].as_str().is_some_and(|d| d.contains("time limit")), "detail says time limit: {problem}");
