@@ -292,6 +292,12 @@ pub fn tenant(row: &dyn Columns) -> Result<TenantRecord, StorageError> {
     })
 }
 
+/// A tenant's held reservations, the soonest to expire first: `$1` the tenant, `$2` the bound.
+/// Written in the `$n` form every backend reads (MySQL through its translator). On PostgreSQL it
+/// is served by the partial index `reservations_due` (held ones by deadline).
+pub const HELD_RESERVATIONS_SQL: &str = "SELECT id, order_id, state, lines, expires_at FROM reservations
+     WHERE state = 'held' AND tenant_id = $1 ORDER BY expires_at, id LIMIT $2";
+
 /// Most keys one tenant's list shows (a tenant rarely has more than a handful).
 pub const MAX_API_KEYS_LISTED: i64 = 1000;
 

@@ -302,7 +302,7 @@
         h('section', { class: 'panel' }, h('h2', {}, 'Hottest keys, last 10 s'), hot),
         h('section', { class: 'panel' }, h('h2', {}, 'Reservations about to expire'),
           h('table', { 'data-testid': 'expiring' }, h('thead', {}, h('tr', {}, h('th', {}, 'reservation'), h('th', {}, 'order'), h('th', {}, 'lines'), h('th', { class: 'num' }, 'expires in'))), expiring)),
-        h('section', { class: 'panel wide' }, h('h2', {}, 'Recent orders'), ordersTable(recent, 10))));
+        h('section', { class: 'panel wide' }, h('h2', {}, 'Recent orders'), ordersTable(recent))));
 
     let items = [];
     function draw() {

@@ -592,14 +592,7 @@ impl Port for MyPort<'_> {
     }
 
     async fn held_reservations(&mut self, tenant: &str, limit: u32) -> Result<Vec<Reservation>, StorageError> {
-        let rows = sqlx::query(
-            "SELECT id, order_id, state, `lines`, expires_at FROM reservations
-             WHERE state = 'held' AND tenant_id = ? ORDER BY expires_at, id LIMIT ?",
-        )
-        .bind(tenant)
-        .bind(i64::from(limit))
-        .fetch_all(&mut *self.conn)
-        .await?;
+        let rows = self.rows(rows::HELD_RESERVATIONS_SQL, &[Arg::Text(tenant), Arg::Int(i64::from(limit))]).await?;
         rows.iter().map(|row| rows::reservation(row)).collect()
     }
 

@@ -528,15 +528,11 @@ impl Port for PgPort<'_> {
     }
 
     async fn held_reservations(&mut self, tenant: &str, limit: u32) -> Result<Vec<Reservation>, StorageError> {
-        // Served by the partial index `reservations_due` (held ones by deadline).
-        let rows = sqlx::query(
-            "SELECT id, order_id, state, lines, expires_at FROM reservations
-             WHERE state = 'held' AND tenant_id = $1 ORDER BY expires_at, id LIMIT $2",
-        )
-        .bind(tenant)
-        .bind(i64::from(limit))
-        .fetch_all(&mut *self.conn)
-        .await?;
+        let rows = sqlx::query(rows::HELD_RESERVATIONS_SQL)
+            .bind(tenant)
+            .bind(i64::from(limit))
+            .fetch_all(&mut *self.conn)
+            .await?;
         rows.iter().map(|row| rows::reservation(row)).collect()
     }
 

@@ -523,10 +523,7 @@ impl Port for SqlitePort<'_> {
     }
 
     async fn held_reservations(&mut self, tenant: &str, limit: u32) -> Result<Vec<Reservation>, StorageError> {
-        let mut statement = self.conn.prepare_cached(
-            "SELECT id, order_id, state, lines, expires_at FROM reservations
-             WHERE state = 'held' AND tenant_id = ?1 ORDER BY expires_at, id LIMIT ?2",
-        )?;
+        let mut statement = self.conn.prepare_cached(rows::HELD_RESERVATIONS_SQL)?;
         all(&mut statement, params![tenant, i64::from(limit)], rows::reservation)
     }
 
