@@ -238,6 +238,21 @@ async fn two_delivery_passes(app: &TestApp) {
 }
 
 /// Waits until the receiver has a 2xx delivery of every event in the feed; returns the feed.
+/// The endpoint's deliveries log once it holds `attempts` entries. The receiver has every body
+/// before the last attempts are recorded (a success is logged after its answer), so the log is
+/// waited for, not read at once.
+async fn logged_attempts(shop: &TenantClient, endpoint_id: &str, attempts: usize) -> Value {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let log = shop.get(&format!("/v1/webhooks/{endpoint_id}/deliveries?limit=1000")).await.expect_json(200);
+        if log["items"].as_array().map(Vec::len) == Some(attempts) {
+            return log;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "every attempt is logged: {log}");
+        tokio::time::sleep(POLL).await;
+    }
+}
+
 async fn until_all_delivered(app: &TestApp, shop: &TenantClient, receiver: &Receiver) -> Vec<Value> {
     let deadline = tokio::time::Instant::now() + DEADLINE;
     loop {
@@ -479,16 +494,7 @@ async fn every_event_type_is_delivered_signed_and_in_order() {
 
     // The deliveries log shows each attempt with its status and latency.
     let id = endpoint["id"].as_str().expect("an id");
-    // The receiver has every body before the last attempts are recorded: wait for the log.
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    let log = loop {
-        let log = shop.get(&format!("/v1/webhooks/{id}/deliveries?limit=1000")).await.expect_json(200);
-        if log["items"].as_array().map(Vec::len) == Some(events.len()) {
-            break log;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "every attempt is logged: {log}");
-        tokio::time::sleep(POLL).await;
-    };
+    let log = logged_attempts(&shop, id, events.len()).await;
     let items = log["items"].as_array().expect("items");
     for item in items {
         assert_eq!(
@@ -522,7 +528,7 @@ async fn a_receiver_that_fails_three_times_gets_each_event_once_after_the_retrie
     assert_eq!(receiver.all().iter().filter(|r| r.answered == 503).count(), 3);
 
     let id = endpoint["id"].as_str().expect("an id");
-    let log = shop.get(&format!("/v1/webhooks/{id}/deliveries")).await.expect_json(200);
+    let log = logged_attempts(&shop, id, 6).await;
     let items = log["items"].as_array().expect("items");
     let failed: Vec<&Value> = items.iter().filter(|i| i["outcome"] == "failed").collect();
     assert_eq!(failed.len(), 3, "{log}");
