@@ -209,6 +209,11 @@ try {
   await page.screenshot({ path: join(artifacts, 'narrow.png'), fullPage: true });
 } catch (e) {
   failures.push(e.stack || String(e));
+  // Where the page was and what its footer said, and how it looked.
+  for (const page of browser.contexts().flatMap((c) => c.pages())) {
+    failures.push(`at ${page.url()}; footer: ${await page.textContent('#status').catch(() => '?')}`);
+    await page.screenshot({ path: join(artifacts, 'failure.png'), fullPage: true }).catch(() => {});
+  }
 } finally {
   await browser.close();
 }

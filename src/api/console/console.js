@@ -305,9 +305,15 @@
         h('section', { class: 'panel wide' }, h('h2', {}, 'Recent orders'), ordersTable(recent))));
 
     let items = [];
+    let drawn = null;
     function draw() {
       const rows = items.filter((r) => (!filters.search || r.key.toLowerCase().includes(filters.search))
         && (!filters.status || (filters.status === 'sold_out' ? r.available === 0 : r.status === filters.status)));
+      // Rebuilt only when something shown changed: a row replaced every second would swallow a
+      // click that lands while it is being replaced.
+      const shown = JSON.stringify([rows, items.length]);
+      if (shown === drawn) return;
+      drawn = shown;
       body.replaceChildren(...rows.map((r) => h('tr', { 'data-key': r.key },
         h('td', {}, h('a', { href: '#/resource/' + encodeURIComponent(r.key) }, r.key)),
         h('td', {}, r.kind), h('td', {}, r.mode), h('td', { class: 'num' }, r.buckets), h('td', {}, statusPill(r)),
