@@ -158,25 +158,43 @@ fn shm_path(db: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// The length of the WAL in use, from the wal-index header at the start of the `-shm` file
-/// (<https://www.sqlite.org/walformat.html>; native byte order): the page size at offset 14 (1
-/// meaning 65,536) and `mxFrame`, the last valid frame, at offset 16. The WAL is a 32-byte header
-/// then frames of a 24-byte header and one page. 0 when nothing is in use (or no index yet).
-fn wal_in_use_bytes(shm: &Path) -> u64 {
-    let mut header = [0u8; 20];
-    let read = std::fs::File::open(shm).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut header));
-    if read.is_err() {
-        return 0;
+/// The wal-index (`-shm`) file, open for as long as the WAL's size is read from it. Opened once
+/// and closed only when dropped: closing any descriptor of a file drops every POSIX lock this
+/// process holds on that file, and SQLite's WAL locks (a reader's read mark, a writer's lock) are
+/// such locks on the `-shm` file. A baseline's connections in this process would lose them to
+/// every reading, and the server's checkpoint could then reset the WAL under a commit in progress
+/// (a committed sale went missing that way). So a reading must not open and close the file while
+/// this process has SQLite connections open: hold one `ShmFile` across them.
+struct ShmFile(Option<std::fs::File>);
+
+impl ShmFile {
+    /// Opens the file (none yet: every reading is 0).
+    fn open(shm: &Path) -> Self {
+        Self(std::fs::File::open(shm).ok())
     }
-    let page = match u16::from_ne_bytes([header[14], header[15]]) {
-        1 => 65_536,
-        n => u64::from(n),
-    };
-    let frames = u64::from(u32::from_ne_bytes([header[16], header[17], header[18], header[19]]));
-    if frames == 0 {
-        return 0;
+
+    /// The length of the WAL in use, from the wal-index header at the start of the `-shm` file
+    /// (<https://www.sqlite.org/walformat.html>; native byte order): the page size at offset 14
+    /// (1 meaning 65,536) and `mxFrame`, the last valid frame, at offset 16. The WAL is a 32-byte
+    /// header then frames of a 24-byte header and one page. 0 when nothing is in use (or no
+    /// index yet).
+    fn wal_in_use_bytes(&self) -> u64 {
+        use std::os::unix::fs::FileExt;
+        let mut header = [0u8; 20];
+        let Some(file) = &self.0 else { return 0 };
+        if file.read_exact_at(&mut header, 0).is_err() {
+            return 0;
+        }
+        let page = match u16::from_ne_bytes([header[14], header[15]]) {
+            1 => 65_536,
+            n => u64::from(n),
+        };
+        let frames = u64::from(u32::from_ne_bytes([header[16], header[17], header[18], header[19]]));
+        if frames == 0 {
+            return 0;
+        }
+        32 + frames * (24 + page)
     }
-    32 + frames * (24 + page)
 }
 
 async fn footprint(db: &DbAccess) -> anyhow::Result<Footprint> {
@@ -192,6 +210,8 @@ async fn footprint(db: &DbAccess) -> anyhow::Result<Footprint> {
 
 /// Checkpoints the WAL into the database file, then sizes the file and each table.
 fn sqlite_footprint(path: &Path) -> anyhow::Result<Footprint> {
+    // Opened before the connection and so closed after it (see `ShmFile`).
+    let shm = ShmFile::open(&shm_path(path));
     let conn = rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE)
         .with_context(|| format!("opening {}", path.display()))?;
     conn.busy_timeout(Duration::from_secs(10))?;
@@ -210,7 +230,7 @@ fn sqlite_footprint(path: &Path) -> anyhow::Result<Footprint> {
         file_bytes
     } else {
         eprintln!("bench: the WAL could not be checkpointed completely; the part in use is counted too");
-        file_bytes + wal_in_use_bytes(&shm_path(path))
+        file_bytes + shm.wal_in_use_bytes()
     };
     // Each b-tree under the table it belongs to (an index under its table; the schema table
     // itself is not listed in itself).
@@ -313,8 +333,10 @@ struct WalSampler {
 impl WalSampler {
     fn start(shm: PathBuf) -> Self {
         let (stop, mut stopped) = oneshot::channel();
+        // One descriptor for the whole run (see `ShmFile`).
+        let shm = ShmFile::open(&shm);
         let task = tokio::spawn(async move {
-            let size = || wal_in_use_bytes(&shm);
+            let size = || shm.wal_in_use_bytes();
             let mut peak = size();
             let mut tick = tokio::time::interval(WAL_SAMPLE_EVERY);
             loop {
@@ -338,7 +360,7 @@ impl WalSampler {
 
 #[cfg(test)]
 mod tests {
-    use super::{shm_path, usage, wal_in_use_bytes, Footprint};
+    use super::{shm_path, usage, Footprint, ShmFile};
     use std::path::PathBuf;
 
     #[test]
@@ -353,12 +375,47 @@ mod tests {
         wal.push("-wal");
         let file = std::fs::metadata(PathBuf::from(wal)).expect("wal file").len();
         assert!(file > 40_000);
-        assert_eq!(wal_in_use_bytes(&shm_path(&db)), file);
+        assert_eq!(ShmFile::open(&shm_path(&db)).wal_in_use_bytes(), file);
         let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(RESTART)", [], |r| r.get(0)).expect("checkpoint");
         assert_eq!(busy, 0);
         conn.execute("INSERT INTO t VALUES ('a')", []).expect("write after the restart");
-        assert_eq!(wal_in_use_bytes(&shm_path(&db)), 32 + 24 + 4096);
-        assert_eq!(wal_in_use_bytes(&dir.path().join("missing-shm")), 0);
+        assert_eq!(ShmFile::open(&shm_path(&db)).wal_in_use_bytes(), 32 + 24 + 4096);
+        assert_eq!(ShmFile::open(&dir.path().join("missing-shm")).wal_in_use_bytes(), 0);
+    }
+
+    /// Reading the WAL's size keeps SQLite's locks: with a read transaction of this process
+    /// open on the WAL, another process's TRUNCATE checkpoint must stay blocked (busy) after
+    /// readings, as before them. Closing a descriptor of the `-shm` file would drop every POSIX lock
+    /// this process holds on it (SQLite's read marks included), and the other process would then
+    /// reset the WAL under this one's feet: a baseline's committed sale went missing that way.
+    #[test]
+    fn reading_the_wal_size_keeps_this_process_sqlite_locks() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = dir.path().join("t.db");
+        let conn = rusqlite::Connection::open(&db).expect("open");
+        conn.pragma_update(None, "journal_mode", "WAL").expect("WAL");
+        conn.pragma_update(None, "wal_autocheckpoint", 0).expect("no checkpoints");
+        conn.execute_batch("CREATE TABLE t (x TEXT); INSERT INTO t VALUES ('a'); INSERT INTO t VALUES ('b');")
+            .expect("write");
+        // A read transaction pins the WAL: no other connection may reset it.
+        conn.execute_batch("BEGIN").expect("begin");
+        let rows: i64 = conn.query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0)).expect("read");
+        assert_eq!(rows, 2);
+        let truncate_elsewhere = || {
+            let script = "import sqlite3,sys; c=sqlite3.connect(sys.argv[1], timeout=0); \
+                          print(c.execute('PRAGMA wal_checkpoint(TRUNCATE)').fetchone()[0])";
+            let out = std::process::Command::new("python3").args(["-c", script]).arg(&db).output().expect("python3 runs");
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        };
+        assert_eq!(truncate_elsewhere(), "1", "busy while this process reads");
+        // As the sampler does: one descriptor, opened before and closed after the connections.
+        let shm = ShmFile::open(&shm_path(&db));
+        assert!(shm.wal_in_use_bytes() > 0);
+        assert!(shm.wal_in_use_bytes() > 0);
+        assert_eq!(truncate_elsewhere(), "1", "still busy after the WAL's size was read");
+        conn.execute_batch("COMMIT").expect("end the read");
+        drop(conn);
+        drop(shm);
     }
 
     #[test]
