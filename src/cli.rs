@@ -47,6 +47,9 @@ pub enum PluginCommand {
         /// The server's config file: check under its `[plugins]` limits (defaults otherwise).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// The language profile whose limits apply, as the upload's `?runtime=` would choose.
+        #[arg(long, default_value = "rust", value_parser = ["rust", "js", "python"])]
+        runtime: String,
     },
     /// Create a plugin crate that builds and passes `plugin check --cases cases.toml` as it is.
     New {
@@ -75,9 +78,14 @@ pub async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) => crate::bench::run(args).await,
-        Command::Plugin { command: PluginCommand::Check { file, cases, config } } => {
-            let limits = Config::load(config.as_deref())?.plugins.limits();
-            crate::plugin::check(&file, cases.as_deref(), limits).await
+        Command::Plugin { command: PluginCommand::Check { file, cases, config, runtime } } => {
+            let runtime = crate::plugin::Runtime::parse(&runtime)
+                .ok_or_else(|| anyhow::anyhow!("unknown runtime {runtime:?}: rust, js or python"))?;
+            let limits = Config::load(config.as_deref())?
+                .plugins
+                .limits_for(runtime)
+                .ok_or_else(|| anyhow::anyhow!("the {runtime} runtime is disabled in this config"))?;
+            crate::plugin::check(&file, cases.as_deref(), runtime, limits).await
         }
         Command::Plugin { command: PluginCommand::New { name, path, sdk } } => {
             crate::plugin::scaffold::new_plugin(&name, path.as_deref(), sdk.as_deref())

@@ -297,6 +297,93 @@ pub struct PluginsConfig {
     /// Versions a tenant keeps: an upload beyond this prunes the oldest ones, never the new
     /// version nor the one active when the upload began.
     pub max_versions_per_tenant: usize,
+    /// Where compiled plugins are kept, so restarts and other processes on this machine map
+    /// them instead of compiling again; `""` keeps none. Default: `$XDG_CACHE_HOME/stockd/plugins`
+    /// (or `~/.cache/stockd/plugins`).
+    pub artifact_dir: Option<String>,
+    /// Bytes the artifact directory may hold; beyond it the least recently used go.
+    pub max_artifact_dir_bytes: u64,
+    /// How long an upload waits for its compile before answering `202 Accepted` with the
+    /// upload's status address (the compile goes on; the version is stored and activated when
+    /// it succeeds). At most three quarters of `server.request_timeout_ms` applies, so the
+    /// answer always comes before the request's own deadline.
+    pub upload_wait_ms: u64,
+    /// The JavaScript profile (`PUT /v1/plugin?runtime=js`): its own limits, each defaulting
+    /// to the profile's (docs/PLUGINS.md).
+    pub js: RuntimeConfig,
+    /// The Python profile (`?runtime=python`).
+    pub python: RuntimeConfig,
+}
+
+/// A language profile's settings (`[plugins.js]`, `[plugins.python]`): whether uploads may
+/// choose it, and its limits where they differ from the profile's defaults. The `[plugins]`
+/// keys of the same names are the Rust profile's.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeConfig {
+    pub enabled: bool,
+    pub max_wasm_bytes: Option<usize>,
+    pub fuel_per_call: Option<u64>,
+    pub max_memory_bytes: Option<usize>,
+    pub calls_per_instance: Option<u32>,
+    pub plan_timeout_ms: Option<u64>,
+    pub max_live_instances: Option<u32>,
+    pub max_instances_per_plugin: Option<usize>,
+    pub compile_timeout_ms: Option<u64>,
+    pub compile_memory_bytes: Option<u64>,
+    pub compile_cpu_ms: Option<u64>,
+    pub max_functions: Option<usize>,
+    pub max_function_body_bytes: Option<usize>,
+    pub max_locals_per_function: Option<u64>,
+    pub max_block_depth: Option<usize>,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_wasm_bytes: None,
+            fuel_per_call: None,
+            max_memory_bytes: None,
+            calls_per_instance: None,
+            plan_timeout_ms: None,
+            max_live_instances: None,
+            max_instances_per_plugin: None,
+            compile_timeout_ms: None,
+            compile_memory_bytes: None,
+            compile_cpu_ms: None,
+            max_functions: None,
+            max_function_body_bytes: None,
+            max_locals_per_function: None,
+            max_block_depth: None,
+        }
+    }
+}
+
+fn rust_runtime() -> crate::plugin::Runtime {
+    crate::plugin::Runtime::Rust
+}
+
+impl RuntimeConfig {
+    /// `base` (the profile's defaults) with this section's settings applied.
+    fn apply(&self, base: crate::plugin::PluginLimits) -> crate::plugin::PluginLimits {
+        let mut l = base;
+        l.max_wasm_bytes = self.max_wasm_bytes.unwrap_or(l.max_wasm_bytes);
+        l.fuel_per_call = self.fuel_per_call.unwrap_or(l.fuel_per_call);
+        l.max_memory_bytes = self.max_memory_bytes.unwrap_or(l.max_memory_bytes);
+        l.calls_per_instance = self.calls_per_instance.unwrap_or(l.calls_per_instance);
+        l.plan_timeout = self.plan_timeout_ms.map_or(l.plan_timeout, Duration::from_millis);
+        l.max_live_instances = self.max_live_instances.unwrap_or(l.max_live_instances);
+        l.max_instances_per_plugin = self.max_instances_per_plugin.unwrap_or(l.max_instances_per_plugin);
+        l.compile.timeout = self.compile_timeout_ms.map_or(l.compile.timeout, Duration::from_millis);
+        l.compile.memory_bytes = self.compile_memory_bytes.unwrap_or(l.compile.memory_bytes);
+        l.compile.cpu = self.compile_cpu_ms.map_or(l.compile.cpu, Duration::from_millis);
+        l.shape.max_functions = self.max_functions.unwrap_or(l.shape.max_functions);
+        l.shape.max_function_body_bytes = self.max_function_body_bytes.unwrap_or(l.shape.max_function_body_bytes);
+        l.shape.max_locals_per_function = self.max_locals_per_function.unwrap_or(l.shape.max_locals_per_function);
+        l.shape.max_block_depth = self.max_block_depth.unwrap_or(l.shape.max_block_depth);
+        l
+    }
 }
 
 impl Default for PluginsConfig {
@@ -323,6 +410,11 @@ impl Default for PluginsConfig {
             max_locals_per_function: limits.shape.max_locals_per_function,
             max_block_depth: limits.shape.max_block_depth,
             max_versions_per_tenant: 20,
+            artifact_dir: None,
+            max_artifact_dir_bytes: 4 << 30,
+            upload_wait_ms: 20_000,
+            js: RuntimeConfig::default(),
+            python: RuntimeConfig::default(),
         }
     }
 }
@@ -350,6 +442,41 @@ impl PluginsConfig {
                 max_block_depth: self.max_block_depth,
             },
             ..crate::plugin::PluginLimits::default()
+        }
+    }
+
+    /// The limits of `runtime`'s profile, or `None` when uploads may not choose it.
+    pub fn limits_for(&self, runtime: crate::plugin::Runtime) -> Option<crate::plugin::PluginLimits> {
+        use crate::plugin::{PluginLimits, Runtime};
+        let section = match runtime {
+            Runtime::Rust => return Some(self.limits()),
+            Runtime::Js => &self.js,
+            Runtime::Python => &self.python,
+        };
+        let base = PluginLimits {
+            // One compile gate for every profile.
+            max_concurrent_compiles: self.max_concurrent_compiles,
+            ..PluginLimits::for_runtime(runtime)
+        };
+        section.enabled.then(|| section.apply(base))
+    }
+
+    /// The artifact directory: the configured one, none for `""`, else the user's cache.
+    pub fn artifact_dir(&self) -> Option<std::path::PathBuf> {
+        match self.artifact_dir.as_deref() {
+            Some("") => None,
+            Some(dir) => Some(std::path::PathBuf::from(dir)),
+            None => {
+                let cache = std::env::var_os("XDG_CACHE_HOME")
+                    .filter(|d| !d.is_empty())
+                    .map(std::path::PathBuf::from)
+                    .or_else(|| {
+                        std::env::var_os("HOME")
+                            .filter(|d| !d.is_empty())
+                            .map(|h| std::path::PathBuf::from(h).join(".cache"))
+                    })?;
+                Some(cache.join("stockd").join("plugins"))
+            }
         }
     }
 
@@ -647,6 +774,9 @@ pub struct TenantConfig {
     /// The plugin's configuration text.
     #[serde(default)]
     pub plugin_config: String,
+    /// The plugin's language profile (`rust`, `js`, `python`).
+    #[serde(default = "rust_runtime")]
+    pub plugin_runtime: crate::plugin::Runtime,
     /// The tenant's own request rate (else `[rate_limits]`); set at every start-up.
     pub rate_limit: Option<RateLimit>,
 }
@@ -732,6 +862,8 @@ impl Config {
             ("plugins.max_locals_per_function", self.plugins.max_locals_per_function),
             ("plugins.max_block_depth", self.plugins.max_block_depth as u64),
             ("plugins.max_versions_per_tenant", self.plugins.max_versions_per_tenant as u64),
+            ("plugins.max_artifact_dir_bytes", self.plugins.max_artifact_dir_bytes),
+            ("plugins.upload_wait_ms", self.plugins.upload_wait_ms),
             ("rate_limits.max_tenants", self.rate_limits.max_tenants as u64),
             ("jobs.stuck_after_intervals", u64::from(self.jobs.stuck_after_intervals)),
             ("redis.failure_retention_seconds", self.redis.failure_retention_seconds),
@@ -766,13 +898,33 @@ impl Config {
         if self.plugins.max_live_instances < 2 {
             bail!("plugins.max_live_instances must be at least 2");
         }
-        if self.plugins.compile_timeout_ms >= self.server.request_timeout_ms {
-            // An upload waits for its compile; a compile outliving its request would be work
-            // nobody gets an answer for.
-            bail!("plugins.compile_timeout_ms must be less than server.request_timeout_ms");
-        }
-        if self.plugins.plan_timeout_ms >= self.server.request_timeout_ms {
-            bail!("plugins.plan_timeout_ms must be less than server.request_timeout_ms");
+        for runtime in crate::plugin::Runtime::ALL {
+            let Some(limits) = self.plugins.limits_for(runtime) else { continue };
+            let section = if runtime == crate::plugin::Runtime::Rust { String::new() } else { format!(".{runtime}") };
+            if limits.plan_timeout.as_millis() >= u128::from(self.server.request_timeout_ms) {
+                bail!("plugins{section}.plan_timeout_ms must be less than server.request_timeout_ms");
+            }
+            let positive = [
+                ("max_wasm_bytes", limits.max_wasm_bytes as u64),
+                ("fuel_per_call", limits.fuel_per_call),
+                ("max_memory_bytes", limits.max_memory_bytes as u64),
+                ("calls_per_instance", u64::from(limits.calls_per_instance)),
+                ("plan_timeout_ms", limits.plan_timeout.as_millis() as u64),
+                ("max_instances_per_plugin", limits.max_instances_per_plugin as u64),
+                ("compile_timeout_ms", limits.compile.timeout.as_millis() as u64),
+                ("compile_memory_bytes", limits.compile.memory_bytes),
+                ("compile_cpu_ms", limits.compile.cpu.as_millis() as u64),
+                ("max_functions", limits.shape.max_functions as u64),
+                ("max_function_body_bytes", limits.shape.max_function_body_bytes as u64),
+                ("max_locals_per_function", limits.shape.max_locals_per_function),
+                ("max_block_depth", limits.shape.max_block_depth as u64),
+            ];
+            if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+                bail!("plugins{section}.{name} must be greater than 0");
+            }
+            if limits.max_live_instances < 2 {
+                bail!("plugins{section}.max_live_instances must be at least 2");
+            }
         }
         let hooks = &self.events.webhooks;
         if hooks.batch > 10_000 || hooks.max_concurrency > 10_000 || hooks.max_endpoints_per_tenant > 10_000 {

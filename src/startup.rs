@@ -16,7 +16,7 @@ use crate::engine::{ResourceKey, TenantId};
 use crate::jobs::supervisor::{JobRegistry, StuckPolicy, Supervisor};
 use crate::jobs::{self, JobSettings};
 use crate::pipeline::{OrderSettings, Pipeline};
-use crate::plugin::{PlanPool, PluginHost, Registry};
+use crate::plugin::{ArtifactStore, HostShared, PlanPool, PluginHost, Registry, Runtime};
 use crate::ratelimit::TenantLimiter;
 use crate::storage::mysql::{MySettings, MyStorage};
 use crate::storage::postgres::{PgSettings, PgStorage};
@@ -152,16 +152,19 @@ async fn declare_tenants(storage: &Arc<dyn Storage>, plugins: &Registry, config:
             let wasm =
                 std::fs::read(path).with_context(|| format!("tenant {id}: reading plugin {}", path.display()))?;
             let plugin = plugins
-                .load(&id, Arc::from(wasm.as_slice()))
+                .load(&id, t.plugin_runtime, Arc::from(wasm.as_slice()))
                 .await
                 .map_err(|e| anyhow::anyhow!("tenant {id}: plugin {}: {e}", path.display()))?;
             let active = storage.active_plugin(&id).await?;
-            let unchanged = active.is_some_and(|a| a.sha256 == plugin.sha256() && a.config == t.plugin_config);
+            let unchanged = active.is_some_and(|a| {
+                a.sha256 == plugin.sha256() && a.config == t.plugin_config && a.runtime == t.plugin_runtime.as_str()
+            });
             if !unchanged {
                 let upload = PluginUpload {
                     sha256: plugin.sha256(),
                     wasm,
                     config: t.plugin_config.clone(),
+                    runtime: t.plugin_runtime.as_str().to_owned(),
                     max_versions: config.plugins.max_versions_per_tenant,
                 };
                 let saved = storage.save_plugin(&id, &upload, now_ms()).await?;
@@ -191,15 +194,34 @@ pub async fn shutdown_signal() {
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
 }
 
+/// One plugin host per enabled language profile, sharing the compile slots and the artifact
+/// directory. An artifact directory that cannot be used safely is an error, not a silent
+/// fallback to compiling every time.
+pub fn plugin_hosts(config: &Config) -> anyhow::Result<Vec<Arc<PluginHost>>> {
+    let artifacts = match config.plugins.artifact_dir() {
+        Some(dir) => Some(Arc::new(ArtifactStore::open(&dir, config.plugins.max_artifact_dir_bytes)?)),
+        None => None,
+    };
+    let shared = HostShared::new(config.plugins.max_concurrent_compiles, artifacts)?;
+    Runtime::ALL
+        .into_iter()
+        .filter_map(|runtime| config.plugins.limits_for(runtime).map(|limits| (runtime, limits)))
+        .map(|(runtime, limits)| {
+            PluginHost::for_runtime(runtime, limits, Arc::clone(&shared))
+                .with_context(|| format!("starting the {runtime} plugin host"))
+        })
+        .collect()
+}
+
 /// `stockd serve`: everything from config to a served, drained, closed server.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
     let (admin_hash, minted_admin) = admin_token(&config)?;
     let metrics = crate::telemetry::init_metrics()?;
     let storage = open_storage(&config).await?;
-    let host = PluginHost::new(config.plugins.limits()).context("starting the plugin host")?;
+    let hosts = plugin_hosts(&config)?;
     let pool = PlanPool::new(config.plugins.pool()).context("starting the plan pool")?;
     let plugins =
-        Arc::new(Registry::new(host, pool, storage.clone(), Duration::from_millis(config.plugins.cache_ttl_ms)));
+        Arc::new(Registry::new(hosts, pool, storage.clone(), Duration::from_millis(config.plugins.cache_ttl_ms)));
     declare_tenants(&storage, &plugins, &config).await?;
     let listener =
         TcpListener::bind(&config.server.listen).await.with_context(|| format!("binding {}", config.server.listen))?;
@@ -229,11 +251,15 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         auth: Authenticator::new(admin_hash, Duration::from_millis(config.auth.cache_ttl_ms)),
         limits: TenantLimiter::new(config.rate_limits.default_limit(), config.rate_limits.max_tenants),
         plugins: plugins.clone(),
+        uploads: Default::default(),
         settings: ApiSettings {
             body_limit_bytes: config.server.body_limit_bytes,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
             max_in_flight: config.server.max_in_flight_requests,
             max_plugin_versions: config.plugins.max_versions_per_tenant,
+            upload_wait: Duration::from_millis(
+                config.plugins.upload_wait_ms.min(config.server.request_timeout_ms.saturating_mul(3) / 4),
+            ),
             events: config.events.clone(),
         },
         metrics: Some(metrics),
@@ -318,7 +344,7 @@ pub async fn run(
         shutdown.await;
         tracing::info!("shutting down: finishing in-flight requests");
         // A compile can take seconds and no answer depends on it any more.
-        plugins.host().stop_compiles();
+        plugins.stop_compiles();
         let _ = signalled_tx.send(true);
     };
     let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown);

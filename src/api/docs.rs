@@ -26,7 +26,7 @@ use crate::events::EventType;
         resources::adjust, resources::ledger, warm::warm,
         orders::create_order, orders::dry_run, orders::get_order, orders::reverse_order,
         reservations::list_held, reservations::get_reservation, reservations::confirm, reservations::release, reservations::reconciliation,
-        plugins::put_plugin, plugins::get_plugin, plugins::list_versions, plugins::activate,
+        plugins::put_plugin, plugins::get_plugin, plugins::list_versions, plugins::activate, plugins::upload_status,
         events::events,
         webhooks::create_webhook, webhooks::list_webhooks, webhooks::get_webhook, webhooks::delete_webhook,
         webhooks::rotate_secret, webhooks::list_deliveries, webhooks::redeliver,
@@ -269,6 +269,7 @@ mod tests {
             request_timeout: Duration::from_secs(30),
             max_in_flight: 1,
             max_plugin_versions: 1,
+            upload_wait: Duration::from_secs(1),
             events: crate::config::EventsConfig::default(),
         }
     }

@@ -43,6 +43,8 @@ pub struct ApiSettings {
     pub max_in_flight: usize,
     /// Plugin versions a tenant keeps (`[plugins] max_versions_per_tenant`).
     pub max_plugin_versions: usize,
+    /// How long an upload waits for its compile before `202` (`[plugins] upload_wait_ms`).
+    pub upload_wait: Duration,
     /// `[events]`: the feed's long polls.
     pub events: crate::config::EventsConfig,
 }
@@ -54,6 +56,8 @@ pub struct AppState {
     /// Per-tenant request rate limits, applied by the [`extract::Tenant`] extractor.
     pub limits: TenantLimiter,
     pub plugins: Arc<Registry>,
+    /// Uploads that answered (or may answer) `202`, for their status address.
+    pub uploads: plugins::UploadTracker,
     pub settings: ApiSettings,
     pub metrics: Option<PrometheusHandle>,
     /// Redis mode, when `[redis]` is configured.
@@ -77,7 +81,7 @@ pub fn router(state: SharedState) -> Router {
         .merge(admin::routes())
         .merge(resources::routes())
         .merge(orders::routes())
-        .merge(plugins::routes(state.plugins.host().limits().max_wasm_bytes))
+        .merge(plugins::routes(state.plugins.max_wasm_bytes()))
         .merge(reservations::routes())
         .merge(warm::routes())
         .merge(events::routes())

@@ -31,6 +31,7 @@
 pub mod baseline;
 pub mod load;
 pub mod noisy;
+pub mod plugin_plans;
 pub mod redis_hot;
 pub mod redis_lua;
 pub mod server;
@@ -120,7 +121,9 @@ pub struct BenchArgs {
     /// redis-lua (baseline: one Redis Lua script per order, DECRBY + XADD to a stream, 1,000
     /// units per sale; needs STOCKD_REDIS_URL) and
     /// noisy-neighbour (fixed 32 + 8 clients, three phases of --duration-secs each; needs
-    /// hostile-fuel-burner.wasm in --plugins-dir).
+    /// hostile-fuel-burner.wasm in --plugins-dir); flash-sale-builtin, flash-sale-rust,
+    /// flash-sale-js, flash-sale-python (one-piece orders of new users on one SKU, planned by the
+    /// built-in plan or the flash-sale example of that language from --plugins-dir; 2 s warm-up).
     #[arg(
         long,
         value_delimiter = ',',
@@ -267,6 +270,9 @@ enum Scenario {
     RedisLua(String),
     /// Tenant B while tenant A floods ([`noisy`]), with the fuel burner's bytes.
     NoisyNeighbour(Vec<u8>),
+    /// A flash sale planned by the built-in plan or a plugin of one language
+    /// ([`plugin_plans`]), with the plugin's bytes.
+    PluginPlans(plugin_plans::Planner, Option<Vec<u8>>),
 }
 
 /// The scenario named `name`. Reads the plugins and settings a scenario needs now, so a missing
@@ -287,7 +293,10 @@ fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
         redis_hot::NAME => Scenario::RedisHotKey,
         redis_lua::NAME => Scenario::RedisLua(redis_lua::redis_url_from_env()?),
         noisy::NAME => Scenario::NoisyNeighbour(noisy::read_fixture(plugins_dir)?),
-        other => bail!("unknown scenario {other:?}"),
+        other => match plugin_plans::Planner::parse(other) {
+            Some(planner) => Scenario::PluginPlans(planner, planner.read(plugins_dir)?),
+            None => bail!("unknown scenario {other:?}"),
+        },
     })
 }
 
@@ -404,6 +413,26 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                     summarize(noisy::NAME, args, outcome.b_under_fuel_flood, outcome.violations, server.peak_rss_kib());
                 row.clients = noisy::B_CLIENTS;
                 row.noisy_neighbour = Some(outcome.report);
+                results.push(row);
+            }
+            Scenario::PluginPlans(planner, wasm) => {
+                let name = planner.name();
+                eprintln!("bench: {name} ...");
+                let prepared = plugin_plans::prepare(&target.client, server, *planner, wasm.as_deref())
+                    .await
+                    .with_context(|| format!("setting up {name}"))?;
+                let warm_up =
+                    plugin_plans::run(&prepared.target, args.clients, Limit::Time(plugin_plans::WARM_UP)).await?;
+                exec_hook(args.exec_before_load.as_deref(), name).await?;
+                let cpu = server.cpu_us();
+                let stats = plugin_plans::run(&prepared.target, args.clients, limit).await?;
+                let cpu = cpu_per_op(cpu, server.cpu_us(), stats.ok);
+                exec_hook(args.exec_after_load.as_deref(), name).await?;
+                let violations = plugin_plans::check(&prepared.target, &stats, &warm_up)
+                    .await
+                    .with_context(|| format!("checking {name}"))?;
+                let mut row = summarize(name, args, stats, violations, server.peak_rss_kib());
+                row.server_cpu_us_per_op = cpu;
                 results.push(row);
             }
             Scenario::RedisLua(url) => {

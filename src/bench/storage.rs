@@ -404,7 +404,8 @@ mod tests {
         let truncate_elsewhere = || {
             let script = "import sqlite3,sys; c=sqlite3.connect(sys.argv[1], timeout=0); \
                           print(c.execute('PRAGMA wal_checkpoint(TRUNCATE)').fetchone()[0])";
-            let out = std::process::Command::new("python3").args(["-c", script]).arg(&db).output().expect("python3 runs");
+            let out =
+                std::process::Command::new("python3").args(["-c", script]).arg(&db).output().expect("python3 runs");
             String::from_utf8_lossy(&out.stdout).trim().to_owned()
         };
         assert_eq!(truncate_elsewhere(), "1", "busy while this process reads");

@@ -40,7 +40,7 @@ use serde::Deserialize;
 
 use super::expect::{Answer, Expectation};
 use super::host::PluginHost;
-use super::limits::PluginLimits;
+use super::limits::{PluginLimits, Runtime};
 use super::model::{PlanInput, PluginFailed};
 use super::LoadError;
 use crate::engine::order::OrderBody;
@@ -105,13 +105,14 @@ fn read_case(index: usize, mut table: toml::Table) -> anyhow::Result<Case> {
 /// Checks the plugin at `path` under `limits` (a server's configured limits) and prints the
 /// plans it makes for the orders in `cases`, or for two sample orders. Errors when the plugin
 /// is invalid or misbehaves on any order.
-pub async fn check(path: &Path, cases: Option<&Path>, limits: PluginLimits) -> anyhow::Result<()> {
+pub async fn check(path: &Path, cases: Option<&Path>, runtime: Runtime, limits: PluginLimits) -> anyhow::Result<()> {
     let wasm = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let cases_text = match cases {
         Some(file) => std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?,
         None => SAMPLE_CASES.to_string(),
     };
-    let host = PluginHost::new(limits)?;
+    let shared = super::HostShared::new(limits.max_concurrent_compiles, None)?;
+    let host = PluginHost::for_runtime(runtime, limits, shared)?;
     let now_ms = crate::time::now_ms();
     let mut report = Vec::new();
     let result = check_to(&mut report, &host, &path.display().to_string(), &wasm, &cases_text, now_ms).await;

@@ -18,6 +18,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
+use super::limits::InstanceShape;
 use super::model::{LoadError, PluginInvalid};
 
 /// The hidden first argument that makes `stockd` a compiler child instead of the CLI.
@@ -97,8 +98,10 @@ enum Isolation {
 pub struct Compiler {
     isolation: Isolation,
     limits: CompileLimits,
-    /// `max_memory_bytes` of the engine, so the child builds an engine the artifact fits.
+    /// `max_memory_bytes` and instance shape of the engine, so the child builds an engine the
+    /// artifact fits.
     engine_memory_bytes: usize,
+    engine_shape: InstanceShape,
     dir: tempfile::TempDir,
     next_file: AtomicU64,
     stop: watch::Sender<bool>,
@@ -108,18 +111,31 @@ impl Compiler {
     /// A compiler whose children run this very executable: `/proc/self/exe`, the running
     /// binary's own file even after an upgrade replaced or deleted it on disk, so a child's
     /// artifact always matches this process's wasmtime.
-    pub fn new(limits: CompileLimits, engine_memory_bytes: usize) -> anyhow::Result<Compiler> {
+    pub fn new(
+        limits: CompileLimits,
+        engine_memory_bytes: usize,
+        engine_shape: InstanceShape,
+    ) -> anyhow::Result<Compiler> {
         let program = PathBuf::from("/proc/self/exe");
         anyhow::ensure!(program.exists(), "/proc/self/exe is missing: plugin compiles need Linux with /proc mounted");
-        Self::with_isolation(Isolation::Child { program }, limits, engine_memory_bytes)
+        Self::with_isolation(Isolation::Child { program }, limits, engine_memory_bytes, engine_shape)
     }
 
     #[cfg(test)]
-    pub fn in_process(limits: CompileLimits, engine_memory_bytes: usize) -> anyhow::Result<Compiler> {
-        Self::with_isolation(Isolation::InProcess, limits, engine_memory_bytes)
+    pub fn in_process(
+        limits: CompileLimits,
+        engine_memory_bytes: usize,
+        engine_shape: InstanceShape,
+    ) -> anyhow::Result<Compiler> {
+        Self::with_isolation(Isolation::InProcess, limits, engine_memory_bytes, engine_shape)
     }
 
-    fn with_isolation(isolation: Isolation, limits: CompileLimits, engine_memory_bytes: usize) -> anyhow::Result<Self> {
+    fn with_isolation(
+        isolation: Isolation,
+        limits: CompileLimits,
+        engine_memory_bytes: usize,
+        engine_shape: InstanceShape,
+    ) -> anyhow::Result<Self> {
         // Private to this user (0700): only this process and its children write here.
         let dir = tempfile::Builder::new()
             .prefix("stockd-compile-")
@@ -129,6 +145,7 @@ impl Compiler {
             isolation,
             limits,
             engine_memory_bytes,
+            engine_shape,
             dir,
             next_file: AtomicU64::new(0),
             stop: watch::Sender::new(false),
@@ -163,8 +180,9 @@ impl Compiler {
             }
             #[cfg(test)]
             Isolation::InProcess => {
-                let engine = wasmtime::Engine::new(&super::host::engine_config(self.engine_memory_bytes, 1))
-                    .map_err(|e| LoadError::Unavailable(format!("plugin engine: {e}")))?;
+                let engine =
+                    wasmtime::Engine::new(&super::host::engine_config(self.engine_memory_bytes, self.engine_shape, 1))
+                        .map_err(|e| LoadError::Unavailable(format!("plugin engine: {e}")))?;
                 let bytes = engine.precompile_component(wasm).map_err(|e| {
                     PluginInvalid::new(format!("the component does not compile: {}", super::host::short_error(&e)))
                 })?;
@@ -183,6 +201,7 @@ impl Compiler {
         command
             .arg(CHILD_ARG)
             .arg(self.engine_memory_bytes.to_string())
+            .arg(shape_arg(self.engine_shape))
             .arg(out)
             // The child needs nothing from the server's environment (which may hold secrets).
             .env_clear()
@@ -318,31 +337,48 @@ fn scopeguard(f: impl FnOnce()) -> impl Drop {
     Guard(Some(f))
 }
 
-/// The child's side: `stockd __compile-plugin ENGINE_MEMORY_BYTES OUT_PATH`, the component on
-/// stdin. Returns `None` when this process was not started as a compiler child. Runs before
-/// any runtime or thread starts, so the limits the parent set bound all of it.
+/// The engine's instance shape as one argument: `CORE_INSTANCES,MEMORIES,TABLES,TABLE_ELEMENTS`.
+fn shape_arg(shape: InstanceShape) -> String {
+    format!("{},{},{},{}", shape.core_instances, shape.memories, shape.tables, shape.table_elements)
+}
+
+fn parse_shape_arg(arg: &str) -> Option<InstanceShape> {
+    let mut parts = arg.split(',');
+    let shape = InstanceShape {
+        core_instances: parts.next()?.parse().ok()?,
+        memories: parts.next()?.parse().ok()?,
+        tables: parts.next()?.parse().ok()?,
+        table_elements: parts.next()?.parse().ok()?,
+    };
+    parts.next().is_none().then_some(shape)
+}
+
+/// The child's side: `stockd __compile-plugin ENGINE_MEMORY_BYTES SHAPE OUT_PATH`, the
+/// component on stdin. Returns `None` when this process was not started as a compiler child.
+/// Runs before any runtime or thread starts, so the limits the parent set bound all of it.
 pub fn child_main_if_requested() -> Option<ExitCode> {
     let mut args = std::env::args_os().skip(1);
     if args.next()? != CHILD_ARG {
         return None;
     }
     let engine_memory_bytes = args.next().and_then(|a| a.to_str()?.parse::<usize>().ok());
+    let shape = args.next().and_then(|a| parse_shape_arg(a.to_str()?));
     let out = args.next().map(PathBuf::from);
-    let (Some(engine_memory_bytes), Some(out)) = (engine_memory_bytes, out) else {
-        eprintln!("usage: stockd {CHILD_ARG} ENGINE_MEMORY_BYTES OUT_PATH < component.wasm");
+    let (Some(engine_memory_bytes), Some(shape), Some(out)) = (engine_memory_bytes, shape, out) else {
+        eprintln!("usage: stockd {CHILD_ARG} ENGINE_MEMORY_BYTES CORE_INSTANCES,MEMORIES,TABLES,TABLE_ELEMENTS OUT_PATH < component.wasm");
         return Some(ExitCode::from(EXIT_FAILED));
     };
-    Some(child_compile(engine_memory_bytes, &out))
+    Some(child_compile(engine_memory_bytes, shape, &out))
 }
 
-fn child_compile(engine_memory_bytes: usize, out: &Path) -> ExitCode {
+fn child_compile(engine_memory_bytes: usize, shape: InstanceShape, out: &Path) -> ExitCode {
     let mut wasm = Vec::new();
     if let Err(e) = std::io::stdin().lock().read_to_end(&mut wasm) {
         eprintln!("reading the component: {e}");
         return ExitCode::from(EXIT_FAILED);
     }
     // One instance slot: the artifact depends on the engine's settings, not its pool size.
-    let engine = match wasmtime::Engine::new(&super::host::engine_config(engine_memory_bytes, 1)) {
+    let engine = match wasmtime::Engine::new(&super::host::engine_config(engine_memory_bytes, shape, 1)) {
         Ok(engine) => engine,
         Err(e) => {
             eprintln!("plugin engine: {e}");

@@ -29,10 +29,11 @@ use wasmtime::{
     StoreLimitsBuilder, Trap, UpdateDeadline,
 };
 
+use super::artifacts::ArtifactStore;
 use super::bindings::{Planner, PlannerPre};
 use super::compile::Compiler;
 use super::convert;
-use super::limits::{PluginLimits, MAX_BUCKETS, MAX_TARGETS_PER_LINE};
+use super::limits::{InstanceShape, PluginLimits, Runtime, MAX_BUCKETS, MAX_TARGETS_PER_LINE};
 use super::model::{LoadError, PlanInput, PluginFailed, PluginInvalid, PluginPlan};
 use super::precheck::{check_shape, Shape};
 use crate::engine::TenantId;
@@ -41,15 +42,6 @@ use crate::engine::TenantId;
 const WASM_PAGE_BYTES: usize = 64 << 10;
 /// Native stack a plugin may use. wasmtime's default; deep recursion traps cleanly.
 const MAX_WASM_STACK_BYTES: usize = 512 << 10;
-/// Core module instances one component may create. A Rust plugin has one; components built
-/// by other toolchains may add a few small helper modules.
-const CORE_INSTANCES_PER_COMPONENT: u32 = 4;
-/// Linear memories one plugin may have: Rust (and every toolchain without WASI) uses one.
-const MEMORIES_PER_COMPONENT: u32 = 1;
-/// Tables (function-pointer tables) one plugin may have.
-const TABLES_PER_COMPONENT: u32 = 2;
-/// Elements one table may hold: Rust plugins use a few dozen.
-const MAX_TABLE_ELEMENTS: usize = 10_000;
 /// Characters kept of a wasmtime error message shown to a plugin author.
 const MAX_ERROR_CHARS: usize = 300;
 /// How often the engine's epoch advances: the granularity of the time limit.
@@ -62,24 +54,26 @@ const LIFT_BYTES_PER_LINE: usize = 64 + MAX_TARGETS_PER_LINE * (48 + 200 + MAX_B
 const LIFT_BYTES_BASE: usize = 16 << 10;
 
 /// Builds the engine configuration: the same function for the server and for its compiler
-/// children, so an artifact compiled in a child always fits the server's engine.
-/// `pool_slots` sizes the instance pool (the child needs one; it instantiates nothing).
-pub(crate) fn engine_config(max_memory_bytes: usize, pool_slots: u32) -> Config {
+/// children, so an artifact compiled in a child always fits the server's engine (what the
+/// compiled code depends on is `max_memory_bytes`; the pool's shape and size only bound
+/// instantiation). `pool_slots` sizes the instance pool (the child needs one; it instantiates
+/// nothing).
+pub(crate) fn engine_config(max_memory_bytes: usize, shape: InstanceShape, pool_slots: u32) -> Config {
     let max_memory_bytes = max_memory_bytes.div_ceil(WASM_PAGE_BYTES).max(1) * WASM_PAGE_BYTES;
     let live = pool_slots.max(1);
     let mut pool = PoolingAllocationConfig::new();
     // Every live instance takes one slot of each kind below; `InstanceBudget` keeps the
     // number of live instances at or under `live`, so the pool is never exhausted.
     pool.total_component_instances(live)
-        .total_core_instances(live.saturating_mul(CORE_INSTANCES_PER_COMPONENT))
-        .max_core_instances_per_component(CORE_INSTANCES_PER_COMPONENT)
-        .total_memories(live.saturating_mul(MEMORIES_PER_COMPONENT))
-        .max_memories_per_component(MEMORIES_PER_COMPONENT)
-        .max_memories_per_module(MEMORIES_PER_COMPONENT)
-        .total_tables(live.saturating_mul(TABLES_PER_COMPONENT))
-        .max_tables_per_component(TABLES_PER_COMPONENT)
-        .max_tables_per_module(TABLES_PER_COMPONENT)
-        .table_elements(MAX_TABLE_ELEMENTS)
+        .total_core_instances(live.saturating_mul(shape.core_instances))
+        .max_core_instances_per_component(shape.core_instances)
+        .total_memories(live.saturating_mul(shape.memories))
+        .max_memories_per_component(shape.memories)
+        .max_memories_per_module(shape.memories)
+        .total_tables(live.saturating_mul(shape.tables))
+        .max_tables_per_component(shape.tables)
+        .max_tables_per_module(shape.tables)
+        .table_elements(shape.table_elements)
         // The memory cap, enforced by the pool's slots as well as by each store's limits.
         .max_memory_size(max_memory_bytes);
 
@@ -109,9 +103,34 @@ pub(crate) fn engine_config(max_memory_bytes: usize, pool_slots: u32) -> Config 
     config
 }
 
-/// Loads, validates and runs tenant plugins. One per process; cheap to share by reference.
+/// What the hosts of one process share: the compile slots, the one-compile-per-tenant rule
+/// (across every language profile) and the store of compiled artifacts.
+pub struct HostShared {
+    compile_slots: Arc<Semaphore>,
+    /// Tenants with a compile of their own in progress: one each at a time.
+    compiling_tenants: Arc<Mutex<HashSet<TenantId>>>,
+    artifacts: Option<Arc<ArtifactStore>>,
+}
+
+impl HostShared {
+    /// `max_concurrent_compiles` slots; artifacts kept in `artifacts` when set.
+    pub fn new(max_concurrent_compiles: usize, artifacts: Option<Arc<ArtifactStore>>) -> anyhow::Result<Arc<Self>> {
+        anyhow::ensure!(max_concurrent_compiles >= 1, "plugin max_concurrent_compiles must be at least 1");
+        Ok(Arc::new(HostShared {
+            compile_slots: Arc::new(Semaphore::new(max_concurrent_compiles)),
+            compiling_tenants: Arc::default(),
+            artifacts,
+        }))
+    }
+}
+
+/// Loads, validates and runs the tenant plugins of one language profile. One per profile and
+/// process; cheap to share by reference.
 pub struct PluginHost {
+    runtime: Runtime,
     engine: Engine,
+    /// Names this engine's configuration in artifact keys: wasmtime's own compatibility hash.
+    engine_key: String,
     /// Built once, empty on purpose: a plugin may import nothing.
     linker: Linker<CallState>,
     limits: PluginLimits,
@@ -125,9 +144,7 @@ pub struct PluginHost {
     /// Compiles in progress by sha256. Weak: when every caller waiting for one has gone
     /// away, the compile is dropped (its child killed) and nothing is cached from it.
     in_flight: Mutex<HashMap<[u8; 32], WeakShared<LoadFuture>>>,
-    compile_slots: Arc<Semaphore>,
-    /// Tenants with a compile of their own in progress: one each at a time.
-    compiling_tenants: Arc<Mutex<HashSet<TenantId>>>,
+    shared: Arc<HostShared>,
     /// The first check of a call's time limit, in epoch ticks (`deadline_reached`).
     deadline_ticks: u64,
 }
@@ -205,29 +222,57 @@ pub struct CallCost {
 }
 
 impl PluginHost {
-    /// Builds the shared engine; compiles run in children of this executable. Fails only on a
-    /// configuration wasmtime cannot run (for example, no address space for the instance pool).
+    /// A host of Rust plugins with its own compile slots and no artifact store; compiles run in
+    /// children of this executable. Fails only on a configuration wasmtime cannot run (for
+    /// example, no address space for the instance pool).
     pub fn new(limits: PluginLimits) -> anyhow::Result<Arc<PluginHost>> {
-        let compiler = Compiler::new(limits.compile.clone(), limits.max_memory_bytes)?;
-        Self::with_compiler(limits, compiler)
+        let shared = HostShared::new(limits.max_concurrent_compiles, None)?;
+        Self::for_runtime(Runtime::Rust, limits, shared)
+    }
+
+    /// The host of one language profile, sharing compile slots and artifacts with the others.
+    pub fn for_runtime(runtime: Runtime, limits: PluginLimits, shared: Arc<HostShared>) -> anyhow::Result<Arc<Self>> {
+        let compiler = Compiler::new(limits.compile.clone(), limits.max_memory_bytes, limits.instance)?;
+        Self::with_compiler(runtime, limits, compiler, shared)
     }
 
     /// A host that compiles on its own threads: for the host's unit tests only, whose test
     /// binary cannot be a compiler child.
     #[cfg(test)]
     pub(crate) fn in_process(limits: PluginLimits) -> anyhow::Result<Arc<PluginHost>> {
-        let compiler = Compiler::in_process(limits.compile.clone(), limits.max_memory_bytes)?;
-        Self::with_compiler(limits, compiler)
+        Self::in_process_with(limits, None)
     }
 
-    fn with_compiler(limits: PluginLimits, compiler: Compiler) -> anyhow::Result<Arc<PluginHost>> {
+    /// [`Self::in_process`] keeping artifacts in `artifacts`.
+    #[cfg(test)]
+    pub(crate) fn in_process_with(
+        limits: PluginLimits,
+        artifacts: Option<Arc<ArtifactStore>>,
+    ) -> anyhow::Result<Arc<PluginHost>> {
+        let compiler = Compiler::in_process(limits.compile.clone(), limits.max_memory_bytes, limits.instance)?;
+        let shared = HostShared::new(limits.max_concurrent_compiles, artifacts)?;
+        Self::with_compiler(Runtime::Rust, limits, compiler, shared)
+    }
+
+    fn with_compiler(
+        runtime: Runtime,
+        limits: PluginLimits,
+        compiler: Compiler,
+        shared: Arc<HostShared>,
+    ) -> anyhow::Result<Arc<PluginHost>> {
         anyhow::ensure!(limits.max_live_instances >= 2, "plugin max_live_instances must be at least 2");
         anyhow::ensure!(limits.calls_per_instance >= 1, "plugin calls_per_instance must be at least 1");
         anyhow::ensure!(limits.fuel_per_call >= 1, "plugin fuel_per_call must be at least 1");
-        anyhow::ensure!(limits.max_concurrent_compiles >= 1, "plugin max_concurrent_compiles must be at least 1");
         anyhow::ensure!(!limits.plan_timeout.is_zero(), "plugin plan_timeout_ms must be at least 1");
-        let config = engine_config(limits.max_memory_bytes, limits.max_live_instances);
-        let engine = Engine::new(&config).map_err(|e| anyhow::anyhow!("plugin engine: {e:#}"))?;
+        let config = engine_config(limits.max_memory_bytes, limits.instance, limits.max_live_instances);
+        let engine = Engine::new(&config).map_err(|e| anyhow::anyhow!("plugin engine ({runtime}): {e:#}"))?;
+        let engine_key = {
+            use std::hash::{Hash, Hasher};
+            // SipHash with fixed keys: the same configuration gives the same key in every process.
+            let mut hasher = std::hash::DefaultHasher::new();
+            engine.precompile_compatibility_hash().hash(&mut hasher);
+            format!("{:016x}", hasher.finish())
+        };
         let linker = Linker::new(&engine);
         start_epoch_ticker(&engine)?;
 
@@ -240,9 +285,10 @@ impl PluginHost {
         });
         // The deadline is at least this long; one tick more covers the tick in progress.
         let deadline_ticks = u64::try_from(limits.plan_timeout.as_nanos().div_ceil(EPOCH_TICK.as_nanos()))?.max(1) + 1;
-        let compile_slots = Arc::new(Semaphore::new(limits.max_concurrent_compiles));
         Ok(Arc::new(PluginHost {
+            runtime,
             engine,
+            engine_key,
             linker,
             limits,
             cache: Mutex::default(),
@@ -250,8 +296,7 @@ impl PluginHost {
             budget,
             compiler,
             in_flight: Mutex::default(),
-            compile_slots,
-            compiling_tenants: Arc::default(),
+            shared,
             deadline_ticks,
         }))
     }
@@ -259,6 +304,11 @@ impl PluginHost {
     /// The limits this host runs plugins under.
     pub fn limits(&self) -> &PluginLimits {
         &self.limits
+    }
+
+    /// The language profile this host runs.
+    pub fn runtime(&self) -> Runtime {
+        self.runtime
     }
 
     /// Kills compiles in progress and refuses new ones: the server is shutting down.
@@ -307,7 +357,7 @@ impl PluginHost {
         }
         // Forget compiles nobody waits for any more, so the map stays as small as the work.
         in_flight.retain(|_, weak| weak.upgrade().is_some());
-        let tenant_slot = TenantCompile::start(&self.compiling_tenants, tenant).ok_or_else(|| {
+        let tenant_slot = TenantCompile::start(&self.shared.compiling_tenants, tenant).ok_or_else(|| {
             LoadError::Busy("another plugin of this tenant is being compiled; retry when it is done".into())
         })?;
         let host = Arc::clone(self);
@@ -328,11 +378,34 @@ impl PluginHost {
         Ok(compile)
     }
 
-    /// Pre-checks, compiles in a child, maps the artifact, type-checks it and instantiates it
+    /// Maps the stored artifact of these bytes when there is one; otherwise pre-checks,
+    /// compiles in a child and stores the artifact. Then type-checks it and instantiates it
     /// once; caches the result only when all of that succeeded.
     async fn compile(self: &Arc<Self>, sha256: [u8; 32], wasm: &Arc<[u8]>) -> Result<PlannerPre<CallState>, LoadError> {
+        let key = format!("{}-{}-{}", hex::encode(sha256), self.runtime, self.engine_key);
+        if let Some(store) = self.shared.artifacts.clone() {
+            if let Some(stored) = store.get(&key) {
+                let started = std::time::Instant::now();
+                let host = Arc::clone(self);
+                let linked = tokio::task::spawn_blocking(move || host.link(sha256, &stored))
+                    .await
+                    .map_err(|_| LoadError::Unavailable("the plugin could not be loaded; try again".into()))?;
+                match linked {
+                    Ok(pre) => {
+                        metrics::counter!("stockd_plugin_artifacts_total", "result" => "loaded").increment(1);
+                        tracing::info!(runtime = %self.runtime, sha256 = %hex::encode(sha256),
+                            ms = started.elapsed().as_millis() as u64, "plugin loaded from its stored artifact");
+                        return Ok(pre);
+                    }
+                    // An artifact this engine cannot map (another wasmtime, a damaged file) is
+                    // forgotten and compiled again; a verdict about the component stands.
+                    Err(LoadError::Unavailable(_)) => store.remove(&key),
+                    Err(other) => return Err(other),
+                }
+            }
+        }
         let limits = self.compiler.limits();
-        let _slot = tokio::time::timeout(limits.timeout, Arc::clone(&self.compile_slots).acquire_owned())
+        let _slot = tokio::time::timeout(limits.timeout, Arc::clone(&self.shared.compile_slots).acquire_owned())
             .await
             .map_err(|_| LoadError::Unavailable("every plugin compiler is busy; try again shortly".into()))?
             .map_err(|_| LoadError::Unavailable("the server is shutting down".into()))?;
@@ -354,21 +427,44 @@ impl PluginHost {
         };
         metrics::counter!("stockd_plugin_compiles_total", "result" => "ok").increment(1);
         metrics::histogram!("stockd_plugin_compile_seconds").record(started.elapsed().as_secs_f64());
+        tracing::info!(runtime = %self.runtime, sha256 = %hex::encode(sha256),
+            ms = started.elapsed().as_millis() as u64, "plugin compiled");
         let host = Arc::clone(self);
-        let pre = tokio::task::spawn_blocking(move || host.link(sha256, artifact.path()))
-            .await
-            .map_err(|_| LoadError::Unavailable("the plugin could not be loaded; try again".into()))??;
+        let store = self.shared.artifacts.clone();
+        let pre = tokio::task::spawn_blocking(move || {
+            let pre = host.link(sha256, artifact.path())?;
+            // Kept only once it proved a valid planner, so a stored artifact is never a refusal.
+            if let Some(store) = store {
+                match store.put(&key, artifact.path()) {
+                    Ok(()) => metrics::counter!("stockd_plugin_artifacts_total", "result" => "stored").increment(1),
+                    Err(e) => tracing::warn!(error = %e, "a compiled plugin could not be stored; it is compiled again next time"),
+                }
+            }
+            Ok::<_, LoadError>(pre)
+        })
+        .await
+        .map_err(|_| LoadError::Unavailable("the plugin could not be loaded; try again".into()))??;
         Ok(pre)
     }
 
     /// Maps a compiled artifact and checks it as a planner: imports, exports, one real
     /// instantiation within the limits. Caches it on success.
     fn link(&self, sha256: [u8; 32], artifact: &std::path::Path) -> Result<PlannerPre<CallState>, LoadError> {
-        // SAFETY: the artifact was written a moment ago, into this process's private (0700)
-        // directory, by this same executable's compiler for this engine's configuration;
-        // wasmtime still checks its version and settings before using it.
+        // SAFETY: the artifact was written by this executable's compiler for this engine's
+        // configuration, either a moment ago into this process's private (0700) directory or
+        // earlier into the artifact store, a directory only this user may write
+        // (`ArtifactStore::open` checks); wasmtime still checks its version and settings.
         let component = unsafe { Component::deserialize_file(&self.engine, artifact) }.map_err(|e| {
-            tracing::error!(error = %short_error(&e), "a compiled plugin could not be loaded");
+            let error = short_error(&e);
+            // More core instances, memories or tables than the profile's pool slots hold: a
+            // verdict about the component, the same every time.
+            if error.contains("exceeds the configured maximum") {
+                return LoadError::Invalid(PluginInvalid::new(format!(
+                    "the component exceeds the {} runtime's instance limits: {error}",
+                    self.runtime
+                )));
+            }
+            tracing::error!(%error, "a compiled plugin could not be loaded");
             LoadError::Unavailable("the compiled plugin could not be loaded; try again".into())
         })?;
         check_imports(&self.engine, &component)?;
@@ -572,10 +668,10 @@ impl LoadedPlugin {
         let state = CallState {
             limits: StoreLimitsBuilder::new()
                 .memory_size(self.limits.max_memory_bytes)
-                .table_elements(MAX_TABLE_ELEMENTS)
-                .instances(CORE_INSTANCES_PER_COMPONENT as usize)
-                .memories(MEMORIES_PER_COMPONENT as usize)
-                .tables(TABLES_PER_COMPONENT as usize)
+                .table_elements(self.limits.instance.table_elements)
+                .instances(self.limits.instance.core_instances as usize)
+                .memories(self.limits.instance.memories as usize)
+                .tables(self.limits.instance.tables as usize)
                 // Hitting the cap stops the plugin at once instead of letting its allocator
                 // fail and limp on.
                 .trap_on_grow_failure(true)

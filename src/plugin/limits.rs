@@ -1,5 +1,6 @@
 //! The limits every plugin runs under, and the bounds the host enforces on the plans plugins
-//! return. One [`PluginLimits`] configures the whole host (all tenants).
+//! return. One [`PluginLimits`] per language profile ([`Runtime`]) configures the host that
+//! runs that profile's components, for all tenants.
 
 use std::time::Duration;
 
@@ -39,6 +40,69 @@ pub struct PluginLimits {
     pub max_live_instances: u32,
     /// Compiled plugins remembered by sha256, so loading the same bytes again is free.
     pub max_cached_plugins: usize,
+    /// What one instance may hold besides its memory: core instances, memories, tables and
+    /// table elements. Sizes the instance pool's slots as well as each store's limits.
+    pub instance: InstanceShape,
+}
+
+/// The parts of one instance besides its linear memory's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InstanceShape {
+    /// Core module instances one component may create.
+    pub core_instances: u32,
+    /// Linear memories one component may have.
+    pub memories: u32,
+    /// Tables (function-pointer tables) one component may have.
+    pub tables: u32,
+    /// Elements one table may hold.
+    pub table_elements: usize,
+}
+
+impl InstanceShape {
+    /// A Rust plugin: one core instance (a few small helper modules allowed for other
+    /// toolchains), one memory, a table of a few dozen functions.
+    pub const RUST: InstanceShape = InstanceShape { core_instances: 4, memories: 1, tables: 2, table_elements: 10_000 };
+}
+
+/// A language profile: which limits a component runs under, chosen at upload
+/// (`PUT /v1/plugin?runtime=`) and stored with the version. A JavaScript or Python component
+/// carries its language's whole engine (SpiderMonkey, CPython), so it is 100-1,000 times the
+/// size of a Rust one and needs far more memory, fuel and compile time; giving every plugin
+/// those budgets would widen what a hostile Rust-sized plugin could take.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Deserialize, serde::Serialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Runtime {
+    /// `#![no_std]` Rust (or any toolchain of its size): the tight defaults.
+    Rust,
+    /// JavaScript built with componentize-js (StarlingMonkey).
+    Js,
+    /// Python built with componentize-py (CPython).
+    Python,
+}
+
+impl Runtime {
+    pub const ALL: [Runtime; 3] = [Runtime::Rust, Runtime::Js, Runtime::Python];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Runtime::Rust => "rust",
+            Runtime::Js => "js",
+            Runtime::Python => "python",
+        }
+    }
+
+    /// The runtime named `name` (as stored and as the API spells it).
+    pub fn parse(name: &str) -> Option<Runtime> {
+        Runtime::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+}
+
+impl std::fmt::Display for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl Default for PluginLimits {
@@ -66,6 +130,46 @@ impl Default for PluginLimits {
             // 256 memory slots of 16 MiB + guard: ~12 GiB of address space, no resident memory.
             max_live_instances: 256,
             max_cached_plugins: 256,
+            instance: InstanceShape::RUST,
+        }
+    }
+}
+
+impl PluginLimits {
+    /// The default limits of a language profile: [`PluginLimits::default`] for Rust; for
+    /// JavaScript and Python, budgets measured on the example plugins with room to spare
+    /// (docs/PLUGINS-JS-PYTHON.md has the figures).
+    pub fn for_runtime(runtime: Runtime) -> PluginLimits {
+        let rust = PluginLimits::default();
+        let big = PluginLimits {
+            max_wasm_bytes: 40 << 20,
+            shape: ShapeLimits {
+                max_functions: 100_000,
+                max_function_body_bytes: 2 << 20,
+                max_locals_per_function: 50_000,
+                max_block_depth: 2_000,
+            },
+            compile: CompileLimits {
+                timeout: Duration::from_secs(180),
+                memory_bytes: 6 << 30,
+                cpu: Duration::from_secs(180),
+                artifact_bytes: 256 << 20,
+            },
+            plan_timeout: Duration::from_millis(250),
+            fuel_per_call: 2_000_000_000,
+            max_memory_bytes: 256 << 20,
+            max_instances_per_plugin: 2,
+            // Instantiating a whole language runtime costs milliseconds: reuse one for long.
+            calls_per_instance: 10_000,
+            max_live_instances: 16,
+            max_cached_plugins: 16,
+            // componentize-py links CPython from 38 core instances; componentize-js uses fewer.
+            instance: InstanceShape { core_instances: 64, memories: 4, tables: 8, table_elements: 200_000 },
+            ..rust.clone()
+        };
+        match runtime {
+            Runtime::Rust => rust,
+            Runtime::Js | Runtime::Python => big,
         }
     }
 }

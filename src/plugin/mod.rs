@@ -14,6 +14,7 @@
 //! Example plugins and hostile test fixtures live in `plugins/` (see `plugins/README.md`);
 //! `plugins/build.sh` builds them into `plugins/dist/`.
 
+pub mod artifacts;
 mod bindings;
 pub mod check;
 pub mod compile;
@@ -30,10 +31,11 @@ pub mod scaffold;
 #[cfg(test)]
 mod tests;
 
+pub use artifacts::ArtifactStore;
 pub use check::check;
 pub use compile::CompileLimits;
-pub use host::{CallCost, LoadedPlugin, PluginHost};
-pub use limits::PluginLimits;
+pub use host::{CallCost, HostShared, LoadedPlugin, PluginHost};
+pub use limits::{InstanceShape, PluginLimits, Runtime};
 pub use model::{
     LoadError, PlanInput, PluginFailed, PluginInvalid, PluginLine, PluginPlan, PluginPolicy, PluginTarget, UserLimit,
 };

@@ -4,12 +4,13 @@
 //! is made once, when the request starts, so a swap never changes an order in flight. Plugin
 //! calls run on the plan pool (`pool.rs`), never on the async workers.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use super::{
-    LoadError, LoadedPlugin, PlanInput, PlanPool, PluginFailed, PluginHost, PluginPlan, PluginPolicy, PoolError,
+    LoadError, LoadedPlugin, PlanInput, PlanPool, PluginFailed, PluginHost, PluginInvalid, PluginPlan, PluginPolicy,
+    PoolError, Runtime,
 };
 use crate::engine::{
     DefaultPlanner, LimitSpec, OrderRequest, PartialPolicy, Plan, PlanError, PlannedLine, Planner, PlannerRef, Target,
@@ -51,9 +52,9 @@ struct Cached {
     checked: Instant,
 }
 
-/// Per-tenant planners, backed by storage and one shared [`PluginHost`].
+/// Per-tenant planners, backed by storage and one [`PluginHost`] per enabled language profile.
 pub struct Registry {
-    host: Arc<PluginHost>,
+    hosts: BTreeMap<Runtime, Arc<PluginHost>>,
     pool: PlanPool,
     storage: Arc<dyn Storage>,
     cache_ttl: Duration,
@@ -61,18 +62,46 @@ pub struct Registry {
 }
 
 impl Registry {
-    pub fn new(host: Arc<PluginHost>, pool: PlanPool, storage: Arc<dyn Storage>, cache_ttl: Duration) -> Self {
-        Self { host, pool, storage, cache_ttl, cache: RwLock::new(HashMap::new()) }
+    /// A registry over `hosts`, one per enabled language profile.
+    pub fn new(hosts: Vec<Arc<PluginHost>>, pool: PlanPool, storage: Arc<dyn Storage>, cache_ttl: Duration) -> Self {
+        let hosts = hosts.into_iter().map(|h| (h.runtime(), h)).collect();
+        Self { hosts, pool, storage, cache_ttl, cache: RwLock::new(HashMap::new()) }
     }
 
-    pub fn host(&self) -> &PluginHost {
-        &self.host
+    /// The host of `runtime`, when that profile is enabled.
+    pub fn host(&self, runtime: Runtime) -> Option<&Arc<PluginHost>> {
+        self.hosts.get(&runtime)
     }
 
-    /// Validates and compiles a tenant's upload (in a child process, bounded; see
-    /// [`PluginHost::load`]).
-    pub async fn load(&self, tenant: &TenantId, wasm: Arc<[u8]>) -> Result<Arc<LoadedPlugin>, LoadError> {
-        self.host.load(tenant, wasm).await
+    /// Every enabled profile's host.
+    pub fn hosts(&self) -> impl Iterator<Item = &Arc<PluginHost>> {
+        self.hosts.values()
+    }
+
+    /// The largest upload any enabled profile accepts: the upload route's body limit.
+    pub fn max_wasm_bytes(&self) -> usize {
+        self.hosts.values().map(|h| h.limits().max_wasm_bytes).max().unwrap_or(0)
+    }
+
+    /// Stops the compiles of every host: the server is shutting down.
+    pub fn stop_compiles(&self) {
+        for host in self.hosts.values() {
+            host.stop_compiles();
+        }
+    }
+
+    /// Validates and compiles a tenant's upload under `runtime`'s limits (in a child process,
+    /// bounded; see [`PluginHost::load`]).
+    pub async fn load(
+        &self,
+        tenant: &TenantId,
+        runtime: Runtime,
+        wasm: Arc<[u8]>,
+    ) -> Result<Arc<LoadedPlugin>, LoadError> {
+        match self.hosts.get(&runtime) {
+            Some(host) => host.load(tenant, wasm).await,
+            None => Err(PluginInvalid::new(format!("the {runtime} runtime is not enabled on this server")).into()),
+        }
     }
 
     /// Records what this process just activated, so its next order uses it at once.
@@ -104,7 +133,10 @@ impl Registry {
                     let wasm = self.storage.plugin_wasm(tenant, v.version).await?;
                     let wasm =
                         wasm.ok_or_else(|| PlanFailure::Plugin("the active plugin version is missing".into()))?;
-                    let plugin = self.load(tenant, Arc::from(wasm)).await.map_err(|e| match e {
+                    let runtime = Runtime::parse(&v.runtime).ok_or_else(|| {
+                        PlanFailure::Plugin(format!("the active plugin's runtime {:?} is unknown", v.runtime))
+                    })?;
+                    let plugin = self.load(tenant, runtime, Arc::from(wasm)).await.map_err(|e| match e {
                         LoadError::Invalid(e) => {
                             PlanFailure::Plugin(format!("the active plugin cannot be loaded: {e}"))
                         }

@@ -499,6 +499,8 @@ pub struct PluginUpload {
     pub sha256: String,
     pub wasm: Vec<u8>,
     pub config: String,
+    /// The language profile it was uploaded for (`rust`, `js`, `python`).
+    pub runtime: String,
     /// Versions the tenant keeps once this one is stored (`[plugins] max_versions_per_tenant`,
     /// at least 1): the new one, the one active when the upload began, then the newest others.
     pub max_versions: usize,
@@ -510,6 +512,8 @@ pub struct PluginVersion {
     pub version: i64,
     pub sha256: String,
     pub config: String,
+    /// The language profile it was uploaded for (`rust`, `js`, `python`; empty for version 0).
+    pub runtime: String,
     pub uploaded_at_ms: i64,
     pub active: bool,
 }

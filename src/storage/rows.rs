@@ -329,12 +329,30 @@ pub fn api_key(row: &dyn Columns) -> Result<ApiKeyRecord, StorageError> {
     })
 }
 
-/// A plugin version (`version, sha256, config, uploaded_at, active`).
+/// A tenant's (`$1`) plugin versions as [`plugin_version`] reads them, oldest first.
+pub const LIST_PLUGINS_SQL: &str = "SELECT p.version, p.sha256, p.config, p.runtime, p.uploaded_at,
+         COALESCE(a.version = p.version, FALSE) AS active
+     FROM plugins p LEFT JOIN plugin_active a ON a.tenant_id = p.tenant_id
+     WHERE p.tenant_id = $1 ORDER BY p.version LIMIT 10000";
+
+/// A tenant's (`$1`) active plugin version as [`plugin_version`] reads it; no row for the
+/// built-in default.
+pub const ACTIVE_PLUGIN_SQL: &str = "SELECT p.version, p.sha256, p.config, p.runtime, p.uploaded_at, TRUE AS active
+     FROM plugin_active a JOIN plugins p ON p.tenant_id = a.tenant_id AND p.version = a.version
+     WHERE a.tenant_id = $1";
+
+/// One stored plugin version (`$1` tenant, `$2` version) as [`plugin_version`] reads it,
+/// marked active: the version an activation switches to.
+pub const STORED_PLUGIN_VERSION_SQL: &str = "SELECT version, sha256, config, runtime, uploaded_at, TRUE AS active
+     FROM plugins WHERE tenant_id = $1 AND version = $2";
+
+/// A plugin version (`version, sha256, config, runtime, uploaded_at, active`).
 pub fn plugin_version(row: &dyn Columns) -> Result<PluginVersion, StorageError> {
     Ok(PluginVersion {
         version: row.int("version")?,
         sha256: row.text("sha256")?,
         config: row.text("config")?,
+        runtime: row.text("runtime")?,
         uploaded_at_ms: row.int("uploaded_at")?,
         active: row.flag("active")?,
     })

@@ -335,6 +335,9 @@ impl TestApp {
             .env("RUST_LOG", "warn")
             // The backend choice lives in `Backend`; nothing leaks in from the caller's shell.
             .env_remove("STOCKD_REDIS_URL")
+            // Compiled plugins are kept under this process's own directory unless the test
+            // shares a cache between processes on purpose (`AppOptions::env`).
+            .env("XDG_CACHE_HOME", self.dir.path().join("cache"))
             .envs(self.opts.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -1135,4 +1138,17 @@ pub async fn mysql_connect_ansi(database_url: &str) -> sqlx::MySqlConnection {
         .await
         .expect("ANSI_QUOTES is a valid sql_mode");
     conn
+}
+
+/// The sum of the samples of `name` whose labels include every one of `labels` (`k="v"`).
+pub async fn metric(app: &TestApp, name: &str, labels: &[&str]) -> f64 {
+    let text = app.get_anonymous("/metrics").await.text;
+    text.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(name)?;
+            let (series, value) = rest.rsplit_once(' ')?;
+            let matches = (series.is_empty() || series.starts_with('{')) && labels.iter().all(|l| series.contains(l));
+            matches.then(|| value.trim().parse::<f64>().ok()).flatten()
+        })
+        .sum()
 }

@@ -26,6 +26,7 @@ mod ops;
 mod orders;
 mod plugin_isolation;
 mod plugin_new;
+mod plugin_runtimes;
 mod plugins;
 mod procfs;
 mod rate_limits;

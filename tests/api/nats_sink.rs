@@ -14,7 +14,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use serde_json::{json, Value};
 
-use crate::helpers::{deduct, spawn_app_with, unique, AppOptions, Backend, TenantClient, TestApp};
+use crate::helpers::{deduct, metric, spawn_app_with, unique, AppOptions, Backend, TenantClient, TestApp};
 
 /// Bound on every wait for the server or the broker to reach a state.
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -92,19 +92,6 @@ impl Bus {
 async fn feed(tenant: &TenantClient) -> Vec<Value> {
     let page = tenant.get("/v1/events?limit=1000").await.expect_json(200);
     page["items"].as_array().expect("a page has items").clone()
-}
-
-/// The sum of the samples of `name` whose labels include every one of `labels` (`k="v"`).
-async fn metric(app: &TestApp, name: &str, labels: &[&str]) -> f64 {
-    let text = app.get_anonymous("/metrics").await.text;
-    text.lines()
-        .filter_map(|line| {
-            let rest = line.strip_prefix(name)?;
-            let (series, value) = rest.rsplit_once(' ')?;
-            let matches = (series.is_empty() || series.starts_with('{')) && labels.iter().all(|l| series.contains(l));
-            matches.then(|| value.trim().parse::<f64>().ok()).flatten()
-        })
-        .sum()
 }
 
 /// Waits until `name{labels}` satisfies `done`; returns its value.

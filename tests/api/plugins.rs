@@ -68,7 +68,7 @@ fn builtin_ref() -> Value {
 
 /// `GET /v1/plugin` when the built-in default is active.
 fn builtin_active() -> Value {
-    json!({"version": 0, "sha256": null, "uploaded_at": null, "name": "default"})
+    json!({"version": 0, "sha256": null, "runtime": null, "uploaded_at": null, "name": "default"})
 }
 
 /// One order line without attributes.

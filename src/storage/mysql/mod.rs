@@ -662,14 +662,8 @@ impl Storage for MyStorage {
 
     async fn list_plugins(&self, tenant: &TenantId) -> Result<Vec<PluginVersion>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let rows = sqlx::query(
-            "SELECT p.version, p.sha256, p.config, p.uploaded_at, COALESCE(a.version = p.version, FALSE) AS active
-             FROM plugins p LEFT JOIN plugin_active a ON a.tenant_id = p.tenant_id
-             WHERE p.tenant_id = ? ORDER BY p.version LIMIT 10000",
-        )
-        .bind(tenant.as_str())
-        .fetch_all(&mut *conn)
-        .await?;
+        let list = sql::translate(rows::LIST_PLUGINS_SQL);
+        let rows = sql::bind_all(&list, &[sql::Arg::Text(tenant.as_str())]).fetch_all(&mut *conn).await?;
         rows.iter().map(|row| rows::plugin_version(row)).collect()
     }
 
@@ -687,13 +681,8 @@ impl Storage for MyStorage {
 
     async fn active_plugin(&self, tenant: &TenantId) -> Result<Option<PluginVersion>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let row = sqlx::query(
-            "SELECT p.version, p.sha256, p.config, p.uploaded_at, TRUE AS active FROM plugin_active a
-             JOIN plugins p ON p.tenant_id = a.tenant_id AND p.version = a.version WHERE a.tenant_id = ?",
-        )
-        .bind(tenant.as_str())
-        .fetch_optional(&mut *conn)
-        .await?;
+        let active = sql::translate(rows::ACTIVE_PLUGIN_SQL);
+        let row = sql::bind_all(&active, &[sql::Arg::Text(tenant.as_str())]).fetch_optional(&mut *conn).await?;
         row.as_ref().map(|row| rows::plugin_version(row)).transpose()
     }
 

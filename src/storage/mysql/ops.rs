@@ -6,9 +6,10 @@
 
 use sqlx::MySqlConnection;
 
+use super::sql;
 use crate::engine::TenantId;
 use crate::ratelimit::RateLimit;
-use crate::storage::rows::Columns;
+use crate::storage::rows;
 use crate::storage::rules;
 use crate::storage::{Insert, NewApiKey, PluginUpload, PluginVersion, StorageError};
 
@@ -163,7 +164,7 @@ pub async fn save_plugin(
             .fetch_one(&mut *conn)
             .await?;
     sqlx::query(
-        "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at) VALUES (?, ?, ?, ?, ?, ?)",
+        "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at, runtime) VALUES (?, ?, ?, ?, ?, ?, ?)",
     )
     .bind(tenant.as_str())
     .bind(version)
@@ -171,6 +172,7 @@ pub async fn save_plugin(
     .bind(&upload.wasm)
     .bind(&upload.config)
     .bind(now_ms)
+    .bind(&upload.runtime)
     .execute(&mut *conn)
     .await?;
     // Before the switch, so the version active until now is still the one the rule keeps.
@@ -194,6 +196,7 @@ pub async fn save_plugin(
         version,
         sha256: upload.sha256.clone(),
         config: upload.config.clone(),
+        runtime: upload.runtime.clone(),
         uploaded_at_ms: now_ms,
         active: true,
     })
@@ -223,6 +226,7 @@ pub async fn activate_plugin(
             version: 0,
             sha256: String::new(),
             config: String::new(),
+            runtime: String::new(),
             uploaded_at_ms: 0,
             active: true,
         }));
@@ -232,13 +236,12 @@ pub async fn activate_plugin(
         .bind(tenant.as_str())
         .execute(&mut *conn)
         .await?;
-    let found = sqlx::query("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = ? AND version = ?")
-        .bind(tenant.as_str())
-        .bind(version)
+    let stored = sql::translate(rows::STORED_PLUGIN_VERSION_SQL);
+    let found = sql::bind_all(&stored, &[sql::Arg::Text(tenant.as_str()), sql::Arg::Int(version)])
         .fetch_optional(&mut *conn)
         .await?;
     let Some(found) = found else { return Ok(None) };
-    let (sha256, config, uploaded_at_ms) = (found.text("sha256")?, found.text("config")?, found.int("uploaded_at")?);
+    let found = rows::plugin_version(&found)?;
     set_active_plugin(conn, tenant, version).await?;
-    Ok(Some(PluginVersion { version, sha256, config, uploaded_at_ms, active: true }))
+    Ok(Some(found))
 }

@@ -638,14 +638,7 @@ impl Storage for PgStorage {
 
     async fn list_plugins(&self, tenant: &TenantId) -> Result<Vec<PluginVersion>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let rows = sqlx::query(
-            "SELECT p.version, p.sha256, p.config, p.uploaded_at, COALESCE(a.version = p.version, FALSE) AS active
-             FROM plugins p LEFT JOIN plugin_active a ON a.tenant_id = p.tenant_id
-             WHERE p.tenant_id = $1 ORDER BY p.version LIMIT 10000",
-        )
-        .bind(tenant.as_str())
-        .fetch_all(&mut *conn)
-        .await?;
+        let rows = sqlx::query(rows::LIST_PLUGINS_SQL).bind(tenant.as_str()).fetch_all(&mut *conn).await?;
         rows.iter().map(|row| rows::plugin_version(row)).collect()
     }
 
@@ -663,13 +656,7 @@ impl Storage for PgStorage {
 
     async fn active_plugin(&self, tenant: &TenantId) -> Result<Option<PluginVersion>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let row = sqlx::query(
-            "SELECT p.version, p.sha256, p.config, p.uploaded_at, TRUE AS active FROM plugin_active a
-             JOIN plugins p ON p.tenant_id = a.tenant_id AND p.version = a.version WHERE a.tenant_id = $1",
-        )
-        .bind(tenant.as_str())
-        .fetch_optional(&mut *conn)
-        .await?;
+        let row = sqlx::query(rows::ACTIVE_PLUGIN_SQL).bind(tenant.as_str()).fetch_optional(&mut *conn).await?;
         row.as_ref().map(|row| rows::plugin_version(row)).transpose()
     }
 

@@ -8,7 +8,7 @@ use sqlx::PgConnection;
 
 use crate::engine::TenantId;
 use crate::ratelimit::RateLimit;
-use crate::storage::rules;
+use crate::storage::{rows, rules};
 use crate::storage::{Insert, NewApiKey, PluginUpload, PluginVersion, StorageError};
 
 pub async fn create_tenant(
@@ -159,7 +159,7 @@ pub async fn save_plugin(
         .fetch_one(&mut *conn)
         .await?;
     sqlx::query(
-        "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at) VALUES ($1, $2, $3, $4, $5, $6)",
+        "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at, runtime) VALUES ($1, $2, $3, $4, $5, $6, $7)",
     )
     .bind(tenant.as_str())
     .bind(version)
@@ -167,6 +167,7 @@ pub async fn save_plugin(
     .bind(&upload.wasm)
     .bind(&upload.config)
     .bind(now_ms)
+    .bind(&upload.runtime)
     .execute(&mut *conn)
     .await?;
     // Before the switch, so the version active until now is still the one the rule keeps.
@@ -177,6 +178,7 @@ pub async fn save_plugin(
         version,
         sha256: upload.sha256.clone(),
         config: upload.config.clone(),
+        runtime: upload.runtime.clone(),
         uploaded_at_ms: now_ms,
         active: true,
     })
@@ -206,19 +208,20 @@ pub async fn activate_plugin(
             version: 0,
             sha256: String::new(),
             config: String::new(),
+            runtime: String::new(),
             uploaded_at_ms: 0,
             active: true,
         }));
     }
     // Waits for an upload of this tenant in flight, so the version is not one it is pruning.
     sqlx::query("SELECT 1 FROM tenants WHERE id = $1 FOR SHARE").bind(tenant.as_str()).execute(&mut *conn).await?;
-    let found: Option<(String, String, i64)> =
-        sqlx::query_as("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = $1 AND version = $2")
-            .bind(tenant.as_str())
-            .bind(version)
-            .fetch_optional(&mut *conn)
-            .await?;
-    let Some((sha256, config, uploaded_at_ms)) = found else { return Ok(None) };
+    let found = sqlx::query(rows::STORED_PLUGIN_VERSION_SQL)
+        .bind(tenant.as_str())
+        .bind(version)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let Some(found) = found else { return Ok(None) };
+    let found = rows::plugin_version(&found)?;
     set_active_plugin(conn, tenant, version).await?;
-    Ok(Some(PluginVersion { version, sha256, config, uploaded_at_ms, active: true }))
+    Ok(Some(found))
 }

@@ -545,11 +545,7 @@ impl Storage for SqliteStorage {
         let tenant = tenant.clone();
         self.readers
             .snapshot(move |conn| {
-                let mut statement = conn.prepare_cached(
-                    "SELECT p.version, p.sha256, p.config, p.uploaded_at, COALESCE(a.version = p.version, FALSE) AS active
-                     FROM plugins p LEFT JOIN plugin_active a ON a.tenant_id = p.tenant_id
-                     WHERE p.tenant_id = ?1 ORDER BY p.version LIMIT 10000",
-                )?;
+                let mut statement = conn.prepare_cached(rows::LIST_PLUGINS_SQL)?;
                 all(&mut statement, params![tenant.as_str()], rows::plugin_version)
             })
             .await
@@ -564,13 +560,10 @@ impl Storage for SqliteStorage {
         let tenant = tenant.clone();
         self.readers
             .snapshot(move |conn| {
-                conn.prepare_cached(
-                    "SELECT p.version, p.sha256, p.config, p.uploaded_at, 1 AS active FROM plugin_active a
-                     JOIN plugins p ON p.tenant_id = a.tenant_id AND p.version = a.version WHERE a.tenant_id = ?1",
-                )?
-                .query_row(params![tenant.as_str()], mapped(rows::plugin_version))
-                .optional()?
-                .transpose()
+                conn.prepare_cached(rows::ACTIVE_PLUGIN_SQL)?
+                    .query_row(params![tenant.as_str()], mapped(rows::plugin_version))
+                    .optional()?
+                    .transpose()
             })
             .await
     }

@@ -4,10 +4,11 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
+use super::port::mapped;
 use crate::engine::TenantId;
 use crate::events::Event;
 use crate::ratelimit::RateLimit;
-use crate::storage::rules;
+use crate::storage::{rows, rules};
 use crate::storage::{Insert, NewApiKey, PageFrom, PluginUpload, PluginVersion, StorageError};
 
 impl From<rusqlite::Error> for StorageError {
@@ -180,9 +181,9 @@ pub fn save_plugin(
         .prepare_cached("SELECT COALESCE(MAX(version), 0) + 1 FROM plugins WHERE tenant_id = ?1")?
         .query_row(params![tenant.as_str()], |row| row.get(0))?;
     conn.prepare_cached(
-        "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        "INSERT INTO plugins (tenant_id, version, sha256, wasm, config, uploaded_at, runtime) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
     )?
-    .execute(params![tenant.as_str(), version, upload.sha256, upload.wasm, upload.config, now_ms])?;
+    .execute(params![tenant.as_str(), version, upload.sha256, upload.wasm, upload.config, now_ms, upload.runtime])?;
     // Before the switch, so the version active until now is still the one the rule keeps.
     let max_versions = i64::try_from(upload.max_versions).unwrap_or(i64::MAX);
     conn.prepare_cached(PRUNE_PLUGINS)?.execute(params![tenant.as_str(), version, max_versions])?;
@@ -191,6 +192,7 @@ pub fn save_plugin(
         version,
         sha256: upload.sha256.clone(),
         config: upload.config.clone(),
+        runtime: upload.runtime.clone(),
         uploaded_at_ms: now_ms,
         active: true,
     })
@@ -217,15 +219,17 @@ pub fn activate_plugin(
             version: 0,
             sha256: String::new(),
             config: String::new(),
+            runtime: String::new(),
             uploaded_at_ms: 0,
             active: true,
         }));
     }
     let found = conn
-        .prepare_cached("SELECT sha256, config, uploaded_at FROM plugins WHERE tenant_id = ?1 AND version = ?2")?
-        .query_row(params![tenant.as_str(), version], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
-        .optional()?;
-    let Some((sha256, config, uploaded_at_ms)) = found else { return Ok(None) };
+        .prepare_cached(rows::STORED_PLUGIN_VERSION_SQL)?
+        .query_row(params![tenant.as_str(), version], mapped(rows::plugin_version))
+        .optional()?
+        .transpose()?;
+    let Some(found) = found else { return Ok(None) };
     set_active_plugin(conn, tenant, version)?;
-    Ok(Some(PluginVersion { version, sha256, config, uploaded_at_ms, active: true }))
+    Ok(Some(found))
 }
