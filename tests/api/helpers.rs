@@ -1012,6 +1012,36 @@ fn build_plugins() -> Result<PathBuf, String> {
     Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join("plugins").join("dist"))
 }
 
+/// The bytes of the JavaScript or Python component `plugins/dist/<name>.wasm`
+/// (`js-flash-sale`, `js-marketplace`, `js-hostile`, `python-flash-sale`). The first call in
+/// a test process runs `plugins/build-components.sh` (it needs node, npm and python3, and
+/// rebuilds only what changed); a failed build fails every test that needs one.
+pub fn component_wasm(name: &str) -> Vec<u8> {
+    static BUILT: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    let dist = match BUILT.get_or_init(build_components) {
+        Ok(dist) => dist,
+        Err(e) => panic!("{e}"),
+    };
+    let path = dist.join(format!("{name}.wasm"));
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn build_components() -> Result<PathBuf, String> {
+    let output = std::process::Command::new("bash")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/plugins/build-components.sh"))
+        .output()
+        .map_err(|e| format!("cannot run plugins/build-components.sh: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "plugins/build-components.sh failed ({}):\n{}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join("plugins").join("dist"))
+}
+
 impl TenantClient {
     /// `PUT /v1/plugin` with a component as `application/wasm` and no configuration.
     pub async fn put_plugin(&self, wasm: Vec<u8>) -> Reply {
