@@ -25,6 +25,7 @@ mod openapi;
 mod ops;
 mod orders;
 mod plugin_isolation;
+mod plugin_languages;
 mod plugin_new;
 mod plugin_runtimes;
 mod plugins;
