@@ -157,6 +157,12 @@ componentize_py() {
 node_bin=$(node_tools)
 jco="$node_bin/jco"
 python_bin=$(python_tools)
+# --tools: install the tools if needed, print where they are (the folder of componentize-js and
+# jco, then the folder of componentize-py) and build nothing.
+if [ "${1:-}" = "--tools" ]; then
+  printf '%s\n%s\n' "$node_bin" "$python_bin"
+  exit 0
+fi
 
 mapfile -t wit_files < <(find ../wit -type f -name '*.wit' | LC_ALL=C sort)
 script_inputs=("${wit_files[@]}" build-components.sh)

@@ -132,11 +132,24 @@ ensure_browser() {
   fi
 }
 
+# The JavaScript and Python plugins' tools: componentize-js needs Node.js 20+ (ensure_browser
+# installs node and npm when missing), componentize-py a Python with its venv module.
+ensure_components() {
+  python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || {
+    echo "== installing python3-venv"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+  }
+  echo "== building the JavaScript and Python example plugins (plugins/build-components.sh)"
+  bash plugins/build-components.sh
+}
+
 ensure_postgres
 ensure_mariadb
 ensure_redis
 ensure_nats
 ensure_browser
+ensure_components
 export STOCKD_TEST_REDIS_URL="${STOCKD_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
 export STOCKD_TEST_NATS_URL="${STOCKD_TEST_NATS_URL:-nats://127.0.0.1:4222}"
 

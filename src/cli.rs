@@ -62,6 +62,9 @@ pub enum PluginCommand {
         /// plugins/sdk) by path instead of the SDK embedded in this binary.
         #[arg(long)]
         sdk: Option<PathBuf>,
+        /// The plugin's language: a Rust crate, or a JavaScript or Python project.
+        #[arg(long, default_value = "rust", value_parser = ["rust", "js", "python"])]
+        lang: String,
     },
 }
 
@@ -81,14 +84,27 @@ pub async fn main() -> anyhow::Result<()> {
         Command::Plugin { command: PluginCommand::Check { file, cases, config, runtime } } => {
             let runtime = crate::plugin::Runtime::parse(&runtime)
                 .ok_or_else(|| anyhow::anyhow!("unknown runtime {runtime:?}: rust, js or python"))?;
-            let limits = Config::load(config.as_deref())?
-                .plugins
+            let plugins = Config::load(config.as_deref())?.plugins;
+            let limits = plugins
                 .limits_for(runtime)
                 .ok_or_else(|| anyhow::anyhow!("the {runtime} runtime is disabled in this config"))?;
-            crate::plugin::check(&file, cases.as_deref(), runtime, limits).await
+            // The server's artifact directory: a component checked here is mapped, not compiled,
+            // by a server of this user on this machine (and a second check is quick).
+            let artifacts = match plugins.artifact_dir() {
+                Some(dir) => match crate::plugin::ArtifactStore::open(&dir, plugins.max_artifact_dir_bytes) {
+                    Ok(store) => Some(std::sync::Arc::new(store)),
+                    Err(e) => {
+                        eprintln!("stockd: not keeping the compiled plugin: {e:#}");
+                        None
+                    }
+                },
+                None => None,
+            };
+            crate::plugin::check(&file, cases.as_deref(), runtime, limits, artifacts).await
         }
-        Command::Plugin { command: PluginCommand::New { name, path, sdk } } => {
-            crate::plugin::scaffold::new_plugin(&name, path.as_deref(), sdk.as_deref())
+        Command::Plugin { command: PluginCommand::New { name, path, sdk, lang } } => {
+            let lang = crate::plugin::scaffold::Lang::parse(&lang)?;
+            crate::plugin::scaffold::new_plugin(&name, path.as_deref(), sdk.as_deref(), lang)
         }
     }
 }

@@ -162,7 +162,7 @@ async fn declare_tenants(storage: &Arc<dyn Storage>, plugins: &Registry, config:
             if !unchanged {
                 let upload = PluginUpload {
                     sha256: plugin.sha256(),
-                    wasm,
+                    wasm: crate::plugin::stored::encode(&wasm),
                     config: t.plugin_config.clone(),
                     runtime: t.plugin_runtime.as_str().to_owned(),
                     max_versions: config.plugins.max_versions_per_tenant,

@@ -25,7 +25,7 @@ use super::error::ApiError;
 use super::extract::{Path, Tenant};
 use super::SharedState;
 use crate::engine::TenantId;
-use crate::plugin::{Active, LoadError, Runtime};
+use crate::plugin::{Active, LoadError, PlanFailure, Runtime};
 use crate::problem::Problem;
 use crate::storage::{PluginUpload, PluginVersion};
 use crate::time::{now_ms, Timestamp};
@@ -224,9 +224,12 @@ async fn upload_and_activate(
     config: String,
 ) -> Result<Uploaded, ApiError> {
     let plugin = state.plugins.load(tenant, runtime, Arc::clone(&wasm)).await.map_err(load_failed)?;
+    let stored = tokio::task::spawn_blocking(move || crate::plugin::stored::encode(&wasm))
+        .await
+        .map_err(|_| ApiError::unavailable("the plugin could not be stored; try again"))?;
     let upload = PluginUpload {
         sha256: plugin.sha256(),
-        wasm: wasm.to_vec(),
+        wasm: stored,
         config,
         runtime: runtime.as_str().to_owned(),
         max_versions: state.settings.max_plugin_versions,
@@ -394,7 +397,12 @@ pub async fn activate(
     // Load first, so a version that no longer compiles under today's limits is never activated.
     let stored = state.storage.list_plugins(&auth.tenant).await?.into_iter().find(|v| v.version == version);
     let runtime = stored.as_ref().and_then(|v| Runtime::parse(&v.runtime)).ok_or_else(missing)?;
-    let wasm = state.storage.plugin_wasm(&auth.tenant, version).await?.ok_or_else(missing)?;
+    let wasm = match state.plugins.stored_wasm(&auth.tenant, version).await {
+        Ok(wasm) => wasm.ok_or_else(missing)?,
+        Err(PlanFailure::Storage(e)) => return Err(e.into()),
+        Err(PlanFailure::Unavailable(why)) => return Err(ApiError::unavailable(&why)),
+        Err(failure) => return Err(ApiError::new(422, "plugin_invalid", "Plugin invalid", failure.to_string())),
+    };
     let plugin = state.plugins.load(&auth.tenant, runtime, Arc::from(wasm)).await.map_err(load_failed)?;
     let activated = state.storage.activate_plugin(&auth.tenant, version).await?.ok_or_else(missing)?;
     state.plugins.set(&auth.tenant, Active::Wasm { version, plugin, config: Arc::from(activated.config.as_str()) });

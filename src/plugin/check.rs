@@ -105,13 +105,19 @@ fn read_case(index: usize, mut table: toml::Table) -> anyhow::Result<Case> {
 /// Checks the plugin at `path` under `limits` (a server's configured limits) and prints the
 /// plans it makes for the orders in `cases`, or for two sample orders. Errors when the plugin
 /// is invalid or misbehaves on any order.
-pub async fn check(path: &Path, cases: Option<&Path>, runtime: Runtime, limits: PluginLimits) -> anyhow::Result<()> {
+pub async fn check(
+    path: &Path,
+    cases: Option<&Path>,
+    runtime: Runtime,
+    limits: PluginLimits,
+    artifacts: Option<std::sync::Arc<super::ArtifactStore>>,
+) -> anyhow::Result<()> {
     let wasm = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let cases_text = match cases {
         Some(file) => std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?,
         None => SAMPLE_CASES.to_string(),
     };
-    let shared = super::HostShared::new(limits.max_concurrent_compiles, None)?;
+    let shared = super::HostShared::new(limits.max_concurrent_compiles, artifacts)?;
     let host = PluginHost::for_runtime(runtime, limits, shared)?;
     let now_ms = crate::time::now_ms();
     let mut report = Vec::new();

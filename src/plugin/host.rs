@@ -174,6 +174,7 @@ const MAX_REMEMBERED_REFUSALS: usize = 1024;
 /// by every request of the tenant (and version) that loaded it, never across tenants.
 pub struct LoadedPlugin {
     sha256: [u8; 32],
+    runtime: Runtime,
     engine: Engine,
     /// Imports resolved and exports type-checked once, at load.
     pre: PlannerPre<CallState>,
@@ -510,6 +511,7 @@ impl PluginHost {
     fn with_own_pool(&self, sha256: [u8; 32], pre: PlannerPre<CallState>) -> LoadedPlugin {
         LoadedPlugin {
             sha256,
+            runtime: self.runtime,
             engine: self.engine.clone(),
             pre,
             limits: self.limits.clone(),
@@ -741,8 +743,11 @@ impl LoadedPlugin {
             Some(Trap::Interrupt) => PluginFailed::TimedOut {
                 limit_ms: u64::try_from(self.limits.plan_timeout.as_millis()).unwrap_or(u64::MAX),
             },
-            Some(Trap::UnreachableCodeReached) => {
+            Some(Trap::UnreachableCodeReached) if self.runtime == Runtime::Rust => {
                 PluginFailed::Trap("reached `unreachable` (a panic in a Rust plugin)".into())
+            }
+            Some(Trap::UnreachableCodeReached) => {
+                PluginFailed::Trap("reached `unreachable` (an uncaught exception or error in the plugin)".into())
             }
             Some(trap) => PluginFailed::Trap(trap.to_string()),
             // wasmtime's error type for this is private; its message is stable.

@@ -156,8 +156,10 @@ impl PluginLimits {
                 artifact_bytes: 256 << 20,
             },
             plan_timeout: Duration::from_millis(250),
-            fuel_per_call: 2_000_000_000,
-            max_memory_bytes: 256 << 20,
+            // A 100-line plan: 43 million in JavaScript, 11.6 million in Python (measured).
+            fuel_per_call: 500_000_000,
+            // Instantiated: 9 MiB (JavaScript), 12.3 MiB (Python); neither grew on 100 lines.
+            max_memory_bytes: 128 << 20,
             max_instances_per_plugin: 2,
             // Instantiating a whole language runtime costs milliseconds: reuse one for long.
             calls_per_instance: 10_000,

@@ -27,6 +27,7 @@ pub mod pool;
 pub mod precheck;
 pub mod registry;
 pub mod scaffold;
+pub mod stored;
 
 #[cfg(test)]
 mod tests;

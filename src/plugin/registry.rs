@@ -104,6 +104,18 @@ impl Registry {
         }
     }
 
+    /// A stored version's component, inflated (`super::stored`); `None` when there is no such
+    /// version. Bounded by the largest upload any enabled profile takes.
+    pub async fn stored_wasm(&self, tenant: &TenantId, version: i64) -> Result<Option<Vec<u8>>, PlanFailure> {
+        let Some(stored) = self.storage.plugin_wasm(tenant, version).await? else { return Ok(None) };
+        let max = self.max_wasm_bytes();
+        let wasm = tokio::task::spawn_blocking(move || super::stored::decode(&stored, max))
+            .await
+            .map_err(|_| PlanFailure::Unavailable("the plugin could not be read; try again".into()))?;
+        wasm.map(Some)
+            .ok_or_else(|| PlanFailure::Plugin(format!("plugin version {version} cannot be read from storage")))
+    }
+
     /// Records what this process just activated, so its next order uses it at once.
     pub fn set(&self, tenant: &TenantId, active: Active) {
         if let Ok(mut cache) = self.cache.write() {
@@ -130,7 +142,7 @@ impl Registry {
                     Active::Wasm { version, plugin, config }
                 }
                 _ => {
-                    let wasm = self.storage.plugin_wasm(tenant, v.version).await?;
+                    let wasm = self.stored_wasm(tenant, v.version).await?;
                     let wasm =
                         wasm.ok_or_else(|| PlanFailure::Plugin("the active plugin version is missing".into()))?;
                     let runtime = Runtime::parse(&v.runtime).ok_or_else(|| {

@@ -1,5 +1,10 @@
-//! `stockd plugin new NAME [--path DIR] [--sdk PATH]`: writes a plugin crate that builds into a
-//! component and passes `stockd plugin check --cases cases.toml` as it is.
+//! `stockd plugin new NAME [--path DIR] [--sdk PATH] [--lang rust|js|python]`: writes a plugin
+//! project that builds into a component and passes `stockd plugin check --cases cases.toml` as
+//! it is: a Rust crate (below), or a JavaScript (`--lang js`: `plan.js`, the JavaScript SDK, a
+//! `package.json` with componentize-js pinned and its lock) or Python (`--lang python`:
+//! `app.py`, the Python SDK, `requirements.txt` with componentize-py pinned) folder, from the
+//! templates under `plugins/template-js/` and `plugins/template-python/` and the SDK files of
+//! `plugins/js/sdk` and `plugins/python/sdk`, embedded the same way.
 //!
 //! The SDK is not published, so the binary carries it: the very files of `plugins/sdk` and
 //! `wit/stockd-plugin.wit` are compiled in with `include_str!` (never a copy that could drift)
@@ -53,6 +58,54 @@ const TEMPLATE_CASES: &str = include_str!("../../plugins/template/cases.toml");
 const TEMPLATE_README: &str = include_str!("../../plugins/template/README.md");
 const TEMPLATE_GITIGNORE: &str = include_str!("../../plugins/template/gitignore");
 
+/// The JavaScript project: its templates, the SDK (`sdk/` in the project) and the tools' lock.
+const JS_TEMPLATES: &[(&str, &str)] = &[
+    ("plan.js", include_str!("../../plugins/template-js/plan.js")),
+    ("package.json", include_str!("../../plugins/template-js/package.json")),
+    ("README.md", include_str!("../../plugins/template-js/README.md")),
+    (".gitignore", include_str!("../../plugins/template-js/gitignore")),
+];
+const JS_SDK_FILES: &[(&str, &str)] = &[
+    ("sdk/stockd.js", include_str!("../../plugins/js/sdk/stockd.js")),
+    ("sdk/escapes.js", include_str!("../../plugins/js/sdk/escapes.js")),
+    ("sdk/engine.d.ts", include_str!("../../plugins/js/sdk/engine.d.ts")),
+    ("sdk/types/planner.d.ts", include_str!("../../plugins/js/sdk/types/planner.d.ts")),
+];
+/// The lock of `plugins/js`, whose package name is this.
+const JS_LOCK: &str = include_str!("../../plugins/js/package-lock.json");
+const JS_LOCK_NAME: &str = "stockd-js-plugins";
+
+/// The Python project: its templates and the SDK (beside `app.py`).
+const PYTHON_TEMPLATES: &[(&str, &str)] = &[
+    ("app.py", include_str!("../../plugins/template-python/app.py")),
+    ("requirements.txt", include_str!("../../plugins/template-python/requirements.txt")),
+    ("README.md", include_str!("../../plugins/template-python/README.md")),
+    (".gitignore", include_str!("../../plugins/template-python/gitignore")),
+];
+const PYTHON_SDK_FILES: &[(&str, &str)] = &[
+    ("stockd_plugin.py", include_str!("../../plugins/python/sdk/stockd_plugin.py")),
+    ("stockd_plugin_escapes.py", include_str!("../../plugins/python/sdk/stockd_plugin_escapes.py")),
+];
+
+/// The language of a new plugin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lang {
+    Rust,
+    Js,
+    Python,
+}
+
+impl Lang {
+    pub fn parse(name: &str) -> anyhow::Result<Lang> {
+        match name {
+            "rust" => Ok(Lang::Rust),
+            "js" => Ok(Lang::Js),
+            "python" => Ok(Lang::Python),
+            other => bail!("unknown language {other:?}: rust, js or python"),
+        }
+    }
+}
+
 /// Names cargo refuses for a package, or that would shadow a crate every plugin links.
 const RESERVED_NAMES: &[&str] = &[
     "alloc",
@@ -103,23 +156,75 @@ pub struct NewPlugin {
     /// The folder to create (`./NAME` unless `--path` says otherwise).
     pub dir: PathBuf,
     pub sdk: SdkSource,
+    pub lang: Lang,
 }
 
 impl NewPlugin {
     /// Validates the name and resolves `--sdk` (the SDK crate itself, or a stockd checkout
     /// holding it at `plugins/sdk`).
-    pub fn new(name: &str, dir: Option<&Path>, sdk: Option<&Path>) -> anyhow::Result<Self> {
+    pub fn new(name: &str, dir: Option<&Path>, sdk: Option<&Path>, lang: Lang) -> anyhow::Result<Self> {
         validate_name(name)?;
-        let sdk = match sdk {
-            None => SdkSource::Embedded,
-            Some(path) => SdkSource::Path(find_sdk(path)?),
+        let sdk = match (sdk, lang) {
+            (None, _) => SdkSource::Embedded,
+            (Some(path), Lang::Rust) => SdkSource::Path(find_sdk(path)?),
+            (Some(_), _) => bail!("--sdk is for Rust plugins; a JavaScript or Python plugin carries its SDK"),
         };
         let dir = dir.map_or_else(|| PathBuf::from(name), Path::to_path_buf);
-        Ok(Self { name: name.to_owned(), dir, sdk })
+        Ok(Self { name: name.to_owned(), dir, sdk, lang })
     }
 
-    /// Every file of the new crate, as `(relative path, contents)`.
+    /// Every file of the new project, as `(relative path, contents)`.
     pub fn files(&self) -> anyhow::Result<Vec<(String, String)>> {
+        match self.lang {
+            Lang::Rust => self.rust_files(),
+            Lang::Js => Ok(self.js_files()),
+            Lang::Python => Ok(self.python_files()),
+        }
+    }
+
+    /// The JavaScript project: templates, SDK, WIT and the tools' lock under this name.
+    fn js_files(&self) -> Vec<(String, String)> {
+        let npm_name = self.name.to_ascii_lowercase();
+        let fill = |template: &str| {
+            template
+                .replace("{{name}}", &self.name)
+                .replace("{{npm_name}}", &npm_name)
+                .replace("{{check_command}}", "npm run check")
+                .replace("{{require_user}}", "requireUser")
+                .replace("{{plan_file}}", "plan.js")
+        };
+        let mut files: Vec<(String, String)> =
+            JS_TEMPLATES.iter().map(|(path, text)| ((*path).to_owned(), fill(text))).collect();
+        files.push(("cases.toml".to_owned(), fill(TEMPLATE_CASES)));
+        files.push((
+            "package-lock.json".to_owned(),
+            JS_LOCK.replace(&format!("\"name\": \"{JS_LOCK_NAME}\""), &format!("\"name\": \"{npm_name}\"")),
+        ));
+        files.extend(JS_SDK_FILES.iter().map(|(path, text)| ((*path).to_owned(), (*text).to_owned())));
+        files.push((WIT_FILE.0.to_owned(), WIT_FILE.1.to_owned()));
+        files
+    }
+
+    /// The Python project: templates, SDK beside `app.py`, and the WIT.
+    fn python_files(&self) -> Vec<(String, String)> {
+        let check = format!("stockd plugin check {}.wasm --runtime python --cases cases.toml", self.name);
+        let fill = |template: &str| {
+            template
+                .replace("{{name}}", &self.name)
+                .replace("{{check_command}}", &check)
+                .replace("{{require_user}}", "require_user")
+                .replace("{{plan_file}}", "app.py")
+        };
+        let mut files: Vec<(String, String)> =
+            PYTHON_TEMPLATES.iter().map(|(path, text)| ((*path).to_owned(), fill(text))).collect();
+        files.push(("cases.toml".to_owned(), fill(TEMPLATE_CASES)));
+        files.extend(PYTHON_SDK_FILES.iter().map(|(path, text)| ((*path).to_owned(), (*text).to_owned())));
+        files.push((WIT_FILE.0.to_owned(), WIT_FILE.1.to_owned()));
+        files
+    }
+
+    /// The Rust crate.
+    fn rust_files(&self) -> anyhow::Result<Vec<(String, String)>> {
         let wasm_name = self.name.replace('-', "_");
         let (sdk_path, sdk_comment, sdk_readme, wit_location) = match &self.sdk {
             SdkSource::Embedded => (
@@ -146,6 +251,12 @@ impl NewPlugin {
                 .replace("{{sdk_comment}}", sdk_comment)
                 .replace("{{sdk_readme}}", sdk_readme)
                 .replace("{{wit_location}}", wit_location)
+                .replace(
+                    "{{check_command}}",
+                    &format!("stockd plugin check target/wasm32-wasip2/release/{wasm_name}.wasm --cases cases.toml"),
+                )
+                .replace("{{require_user}}", "require_user")
+                .replace("{{plan_file}}", "src/lib.rs")
         };
         let mut files = vec![
             ("Cargo.toml".to_owned(), fill(TEMPLATE_CARGO_TOML)),
@@ -207,8 +318,36 @@ impl NewPlugin {
         Ok(())
     }
 
-    /// What to do next, printed after the crate is written.
+    /// What to do next, printed after the project is written.
     pub fn next_steps(&self) -> String {
+        match self.lang {
+            Lang::Rust => self.rust_next_steps(),
+            Lang::Js => format!(
+                "Created JavaScript plugin `{name}` in {dir}.\n\
+                 Next (Node.js 20 or newer):\n  \
+                 cd {dir}\n  \
+                 npm ci\n  \
+                 npm run build\n  \
+                 stockd plugin check {name}.wasm --runtime js --cases cases.toml\n\
+                 then upload {name}.wasm with PUT /v1/plugin?runtime=js (see README.md).",
+                name = self.name,
+                dir = self.dir.display(),
+            ),
+            Lang::Python => format!(
+                "Created Python plugin `{name}` in {dir}.\n\
+                 Next (Python 3.10 or newer):\n  \
+                 cd {dir}\n  \
+                 python3 -m venv .venv && .venv/bin/pip install -r requirements.txt\n  \
+                 .venv/bin/componentize-py -d wit -w planner componentize --stub-wasi -p . app -o {name}.wasm\n  \
+                 stockd plugin check {name}.wasm --runtime python --cases cases.toml\n\
+                 then upload {name}.wasm with PUT /v1/plugin?runtime=python (see README.md).",
+                name = self.name,
+                dir = self.dir.display(),
+            ),
+        }
+    }
+
+    fn rust_next_steps(&self) -> String {
         let wasm = format!("target/wasm32-wasip2/release/{}.wasm", self.name.replace('-', "_"));
         let sdk = match &self.sdk {
             SdkSource::Embedded => "the SDK embedded in this stockd".to_owned(),
@@ -229,8 +368,8 @@ impl NewPlugin {
 }
 
 /// Runs `stockd plugin new`.
-pub fn new_plugin(name: &str, dir: Option<&Path>, sdk: Option<&Path>) -> anyhow::Result<()> {
-    let plugin = NewPlugin::new(name, dir, sdk)?;
+pub fn new_plugin(name: &str, dir: Option<&Path>, sdk: Option<&Path>, lang: Lang) -> anyhow::Result<()> {
+    let plugin = NewPlugin::new(name, dir, sdk, lang)?;
     plugin.write()?;
     println!("{}", plugin.next_steps());
     Ok(())
@@ -426,10 +565,43 @@ mod tests {
         // In the repository `plugins/sdk` -> `wit/`; in a new crate `vendor/stockd-plugin-sdk`
         // -> `wit/`, the same two levels up.
         assert!(lib.contains("path: \"../../wit\""), "the SDK no longer reads ../../wit; update VENDORED_SDK_DIR");
-        let plugin = NewPlugin::new("my-planner", None, None).unwrap_or_else(|e| panic!("{e:#}"));
+        let plugin = NewPlugin::new("my-planner", None, None, Lang::Rust).unwrap_or_else(|e| panic!("{e:#}"));
         let files = plugin.files().unwrap_or_else(|e| panic!("{e:#}"));
         let paths: Vec<&str> = files.iter().map(|(path, _)| path.as_str()).collect();
         assert!(paths.contains(&"wit/stockd-plugin.wit") && paths.contains(&"vendor/stockd-plugin-sdk/src/lib.rs"));
         assert!(files.iter().all(|(_, text)| !text.contains("{{")), "every placeholder is filled");
+    }
+
+    /// A JavaScript or Python project holds its plan, its SDK where the plan imports it from,
+    /// the WIT, and its tools pinned (the lock under the project's own name); no placeholder is
+    /// left; `--sdk` is refused for them.
+    #[test]
+    fn js_and_python_projects_hold_their_sdk_wit_and_pinned_tools() {
+        let js = NewPlugin::new("My-Planner", None, None, Lang::Js).unwrap_or_else(|e| panic!("{e:#}"));
+        let files = js.files().unwrap_or_else(|e| panic!("{e:#}"));
+        let file = |files: &[(String, String)], path: &str| {
+            files.iter().find(|(p, _)| p == path).map(|(_, text)| text.clone()).unwrap_or_else(|| panic!("{path}"))
+        };
+        assert!(file(&files, "plan.js").contains("from \"./sdk/stockd.js\""));
+        assert!(file(&files, "sdk/stockd.js").contains("export function planned"));
+        assert!(file(&files, "package.json").contains("\"name\": \"my-planner\""));
+        let lock = file(&files, "package-lock.json");
+        assert!(lock.contains("\"name\": \"my-planner\"") && !lock.contains(JS_LOCK_NAME));
+        assert!(file(&files, "cases.toml").contains("npm run check"));
+        assert!(files.iter().any(|(p, _)| p == "wit/stockd-plugin.wit"));
+        assert!(files.iter().all(|(_, text)| !text.contains("{{")), "every placeholder is filled");
+
+        let python = NewPlugin::new("planner", None, None, Lang::Python).unwrap_or_else(|e| panic!("{e:#}"));
+        let files = python.files().unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(file(&files, "app.py").contains("from stockd_plugin import"));
+        assert!(file(&files, "stockd_plugin.py").contains("def planned("));
+        assert!(file(&files, "requirements.txt").contains("componentize-py=="));
+        assert!(file(&files, "cases.toml").contains("--runtime python"));
+        // The SDK is written as it is (its Python holds literal braces); the templates are filled.
+        let templates = files.iter().filter(|(path, _)| !path.starts_with("stockd_plugin"));
+        assert!(templates.clone().all(|(_, text)| !text.contains("{{")), "every placeholder is filled");
+
+        let sdk = NewPlugin::new("planner", None, Some(Path::new(".")), Lang::Js).map(|_| ());
+        assert!(sdk.is_err_and(|e| e.to_string().contains("--sdk is for Rust")));
     }
 }

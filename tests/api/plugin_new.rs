@@ -233,3 +233,76 @@ fn plugin_new_refuses_bad_names_occupied_folders_and_wrong_sdks() {
     let usage = stockd(here, &["plugin", "new"]);
     assert_eq!(usage.status.code(), Some(2), "a missing NAME is a usage error: {}", printed(&usage));
 }
+
+/// Where `plugins/build-components.sh --tools` installed the pinned tools: the folder of
+/// componentize-js (and jco), and the folder of componentize-py.
+fn component_tools() -> (PathBuf, PathBuf) {
+    let output = Command::new("bash")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/plugins/build-components.sh"))
+        .arg("--tools")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run plugins/build-components.sh: {e}"));
+    assert!(output.status.success(), "{}", printed(&output));
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    let mut lines = text.lines().map(PathBuf::from);
+    match (lines.next(), lines.next()) {
+        (Some(node), Some(python)) => (node, python),
+        _ => panic!("build-components.sh --tools printed {text:?}"),
+    }
+}
+
+/// Runs `program` with `args` in `dir`; asserts it succeeds.
+fn run_in(dir: &Path, program: &Path, args: &[&str]) {
+    let output = Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", program.display()));
+    assert!(output.status.success(), "{} {args:?}: {}", program.display(), printed(&output));
+}
+
+/// `stockd plugin check FILE --runtime RUNTIME --cases cases.toml` in `dir`, keeping compiled
+/// plugins where the suite's servers keep them; asserts every case passed as written.
+fn check_passes(dir: &Path, file: &str, runtime: &str) {
+    let checked = Command::new(env!("CARGO_BIN_EXE_stockd"))
+        .args(["plugin", "check", file, "--runtime", runtime, "--cases", "cases.toml"])
+        .current_dir(dir)
+        .env("XDG_CACHE_HOME", concat!(env!("CARGO_TARGET_TMPDIR"), "/plugin-artifacts"))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run stockd plugin check: {e}"));
+    assert!(checked.status.success(), "the {runtime} cases pass as written: {}", printed(&checked));
+    let report = String::from_utf8_lossy(&checked.stdout);
+    assert!(report.contains("2 orders: 0 failed; 2 with expectations, 0 not met"), "{report}");
+}
+
+/// `plugin new --lang js` and `--lang python` write projects holding the repository's SDK and
+/// WIT, which build with their pinned tools (as `plugins/build-components.sh` installs them)
+/// into components that pass `stockd plugin check --runtime js|python --cases cases.toml` as
+/// written: the same cases as the Rust template's.
+#[tokio::test]
+async fn new_js_and_python_plugins_build_and_pass_their_cases() {
+    let (node_bin, python_bin) = component_tools();
+    let workspace = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+
+    let created = stockd(workspace.path(), &["plugin", "new", "js-planner", "--lang", "js"]);
+    assert!(created.status.success(), "{}", printed(&created));
+    assert!(String::from_utf8_lossy(&created.stdout).contains("Created JavaScript plugin `js-planner`"));
+    let js = workspace.path().join("js-planner");
+    assert_eq!(read(&js.join("sdk/stockd.js")), repo_file("plugins/js/sdk/stockd.js"));
+    assert_eq!(read(&js.join("wit/stockd-plugin.wit")), repo_file("wit/stockd-plugin.wit"));
+    // The tools `npm ci` would install, from the suite's cache instead of the network.
+    let node_modules = node_bin.parent().unwrap_or_else(|| panic!("{}", node_bin.display()));
+    std::os::unix::fs::symlink(node_modules, js.join("node_modules")).unwrap_or_else(|e| panic!("{e}"));
+    run_in(&js, Path::new("npm"), &["run", "build"]);
+    check_passes(&js, "js-planner.wasm", "js");
+
+    let created = stockd(workspace.path(), &["plugin", "new", "py-planner", "--lang", "python"]);
+    assert!(created.status.success(), "{}", printed(&created));
+    let python = workspace.path().join("py-planner");
+    assert_eq!(read(&python.join("stockd_plugin.py")), repo_file("plugins/python/sdk/stockd_plugin.py"));
+    let componentize = python_bin.join("componentize-py");
+    let build =
+        ["-d", "wit", "-w", "planner", "componentize", "--stub-wasi", "-p", ".", "app", "-o", "py-planner.wasm"];
+    run_in(&python, &componentize, &build);
+    check_passes(&python, "py-planner.wasm", "python");
+}
