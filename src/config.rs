@@ -308,6 +308,9 @@ pub struct PluginsConfig {
     /// it succeeds). At most three quarters of `server.request_timeout_ms` applies, so the
     /// answer always comes before the request's own deadline.
     pub upload_wait_ms: u64,
+    /// JavaScript and Python uploads (up to tens of MiB each) held at once, from reading the
+    /// body to the end of the compile; one more is answered `503` with `Retry-After`.
+    pub max_concurrent_large_uploads: usize,
     /// The JavaScript profile (`PUT /v1/plugin?runtime=js`): its own limits, each defaulting
     /// to the profile's (docs/PLUGINS.md).
     pub js: RuntimeConfig,
@@ -413,6 +416,7 @@ impl Default for PluginsConfig {
             artifact_dir: None,
             max_artifact_dir_bytes: 4 << 30,
             upload_wait_ms: 20_000,
+            max_concurrent_large_uploads: 2,
             js: RuntimeConfig::default(),
             python: RuntimeConfig::default(),
         }
@@ -864,6 +868,7 @@ impl Config {
             ("plugins.max_versions_per_tenant", self.plugins.max_versions_per_tenant as u64),
             ("plugins.max_artifact_dir_bytes", self.plugins.max_artifact_dir_bytes),
             ("plugins.upload_wait_ms", self.plugins.upload_wait_ms),
+            ("plugins.max_concurrent_large_uploads", self.plugins.max_concurrent_large_uploads as u64),
             ("rate_limits.max_tenants", self.rate_limits.max_tenants as u64),
             ("jobs.stuck_after_intervals", u64::from(self.jobs.stuck_after_intervals)),
             ("redis.failure_retention_seconds", self.redis.failure_retention_seconds),

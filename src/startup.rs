@@ -251,7 +251,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         auth: Authenticator::new(admin_hash, Duration::from_millis(config.auth.cache_ttl_ms)),
         limits: TenantLimiter::new(config.rate_limits.default_limit(), config.rate_limits.max_tenants),
         plugins: plugins.clone(),
-        uploads: Default::default(),
+        uploads: api::plugins::UploadTracker::new(config.plugins.max_concurrent_large_uploads),
         settings: ApiSettings {
             body_limit_bytes: config.server.body_limit_bytes,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),

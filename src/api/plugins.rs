@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -147,13 +147,31 @@ pub async fn put_plugin(
     State(state): State<SharedState>,
     params: Result<Query<UploadParams>, QueryRejection>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: axum::body::Body,
 ) -> Result<Response, ApiError> {
-    let params = params.map(|Query(p)| p).map_err(|e| ApiError::validation("query", e.body_text()))?;
+    let params = params.map(|Query(p)| p).map_err(|e| ApiError::validation("query", e.body_text()));
     let is_wasm = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.split(';').next().is_some_and(|m| m.trim().eq_ignore_ascii_case("application/wasm")));
+    let runtime = params.as_ref().ok().and_then(|p| p.runtime).unwrap_or(Runtime::Rust);
+    let host = state.plugins.host(runtime);
+    // A JavaScript or Python upload may be tens of MiB: only so many are held at once (each
+    // until its compile ends), so a burst of them cannot take the server's memory.
+    let acceptable = params.is_ok() && is_wasm && host.is_some();
+    let permit = match runtime {
+        Runtime::Js | Runtime::Python if acceptable => Some(Arc::clone(&state.uploads.large).try_acquire_owned()),
+        _ => None,
+    };
+    // The body is kept up to this runtime's limit (nothing of a request refused anyway), and
+    // the rest is read and dropped, up to the route's limit, so a client still sending gets
+    // the answer below rather than a reset connection.
+    let keep = match (&host, &permit) {
+        (Some(host), None | Some(Ok(_))) if acceptable => host.limits().max_wasm_bytes,
+        _ => 0,
+    };
+    let body = read_limited(body, keep, state.plugins.max_wasm_bytes()).await?;
+    let params = params?;
     if !is_wasm {
         return Err(ApiError::new(
             415,
@@ -162,29 +180,21 @@ pub async fn put_plugin(
             "the body must be application/wasm",
         ));
     }
-    let runtime = params.runtime.unwrap_or(Runtime::Rust);
-    let host = state.plugins.host(runtime).ok_or_else(|| {
+    let host = host.ok_or_else(|| {
         ApiError::validation("runtime", format!("the {runtime} runtime is not enabled on this server"))
     })?;
+    let permit = permit.transpose().map_err(|_| {
+        ApiError::unavailable("as many large plugin uploads as this server takes are in progress; retry shortly")
+    })?;
     let max_bytes = host.limits().max_wasm_bytes;
-    let too_large = || {
+    let body = body.ok_or_else(|| {
         ApiError::new(
             413,
             "payload_too_large",
             "Payload too large",
             format!("the plugin exceeds the {runtime} runtime's maximum size of {max_bytes} bytes"),
         )
-    };
-    let body = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            too_large()
-        } else {
-            ApiError::validation("body", "could not be read")
-        }
     })?;
-    if body.len() > max_bytes {
-        return Err(too_large());
-    }
     let config = params.config.unwrap_or_default();
     if config.len() > MAX_CONFIG_BYTES {
         return Err(ApiError::validation("config", format!("must be at most {MAX_CONFIG_BYTES} bytes")));
@@ -198,6 +208,7 @@ pub async fn put_plugin(
     let task_state = Arc::clone(&state);
     let (tenant, task_id) = (auth.tenant.clone(), id.clone());
     tokio::spawn(async move {
+        let _permit = permit;
         let outcome = upload_and_activate(&task_state, &tenant, runtime, wasm, config).await;
         task_state.uploads.finish(&task_id, &outcome);
         let _ = done_tx.send(outcome);
@@ -212,6 +223,25 @@ pub async fn put_plugin(
             Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(status)).into_response())
         }
     }
+}
+
+/// The body if it is at most `keep` bytes; `None` when it is longer (read on, and dropped, up to
+/// `drain` bytes in all).
+async fn read_limited(body: axum::body::Body, keep: usize, drain: usize) -> Result<Option<Bytes>, ApiError> {
+    use futures::StreamExt;
+    let mut stream = body.into_data_stream();
+    let mut kept = Vec::new();
+    let mut seen = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|_| ApiError::validation("body", "could not be read"))?;
+        seen = seen.saturating_add(chunk.len());
+        if seen <= keep {
+            kept.extend_from_slice(&chunk);
+        } else if seen > drain {
+            return Ok(None);
+        }
+    }
+    Ok((seen <= keep).then(|| Bytes::from(kept)))
 }
 
 /// Compiles, stores and activates an upload: what `PUT /v1/plugin` answers, whether it
@@ -267,9 +297,17 @@ pub async fn upload_status(
 /// Uploads in progress and recently ended, by id: what `GET /v1/plugin/uploads/{id}` answers.
 /// Bounded: ended uploads are forgotten after [`UPLOAD_RETENTION`], and beyond
 /// [`MAX_TRACKED_UPLOADS`] the oldest ended ones go first.
-#[derive(Default)]
 pub struct UploadTracker {
     uploads: Mutex<HashMap<String, Tracked>>,
+    /// Uploads of the big profiles (`js`, `python`) held at once, from reading the body to the
+    /// compile's end (`[plugins] max_concurrent_large_uploads`).
+    large: Arc<tokio::sync::Semaphore>,
+}
+
+impl UploadTracker {
+    pub fn new(max_concurrent_large_uploads: usize) -> Self {
+        Self { uploads: Mutex::default(), large: Arc::new(tokio::sync::Semaphore::new(max_concurrent_large_uploads)) }
+    }
 }
 
 /// How long an ended upload's outcome is kept.

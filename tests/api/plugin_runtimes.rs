@@ -147,3 +147,51 @@ async fn another_process_and_a_restart_map_the_stored_artifact_without_compiling
     assert_eq!(metric(&first, "stockd_plugin_compiles_total", &[]).await, 0.0, "nothing compiled after the restart");
     assert_eq!(metric(&first, "stockd_plugin_artifacts_total", &["result=\"loaded\""]).await, 1.0);
 }
+
+/// JavaScript and Python uploads (tens of MiB each) are held only so many at once: with
+/// `max_concurrent_large_uploads = 1`, while one JavaScript upload's body is still arriving
+/// another answers 503 with Retry-After; a Rust upload is not held back; once the first
+/// client goes away the next JavaScript upload is read (and refused for what it is, 422).
+#[tokio::test]
+async fn large_uploads_are_bounded_and_the_excess_answers_503() {
+    use tokio::io::AsyncWriteExt;
+
+    let app = spawn_app_with(AppOptions::default().toml("[plugins]\nmax_concurrent_large_uploads = 1")).await;
+    let shop = app.create_tenant("shop").await;
+    let garbage = b"not a component".to_vec();
+
+    // The first upload declares 1 MB and sends 10 bytes of it, then waits.
+    let mut stalled = tokio::net::TcpStream::connect(&app.addr).await.expect("the server accepts a connection");
+    let head = format!(
+        "PUT /v1/plugin?runtime=js HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\n\
+         Content-Type: application/wasm\r\nContent-Length: 1000000\r\n\r\n0123456789",
+        app.addr, shop.api_key
+    );
+    stalled.write_all(head.as_bytes()).await.expect("the request starts");
+
+    let deadline = Instant::now() + COMPILE_DEADLINE;
+    let refused = loop {
+        let reply = put(&shop, garbage.clone(), &[("runtime", "js")]).await;
+        if reply.status() == 503 {
+            break reply;
+        }
+        assert_eq!(reply.status(), 422, "garbage is refused for what it is: {}", reply.text);
+        assert!(Instant::now() < deadline, "no upload was held back while another's body was arriving");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_problem(&refused, 503, "unavailable");
+    assert!(refused.header("retry-after").is_some(), "a 503 says when to retry");
+    assert_eq!(put(&shop, garbage.clone(), &[("runtime", "rust")]).await.status(), 422, "Rust uploads are not held");
+
+    drop(stalled);
+    let deadline = Instant::now() + COMPILE_DEADLINE;
+    loop {
+        let reply = put(&shop, garbage.clone(), &[("runtime", "js")]).await;
+        if reply.status() == 422 {
+            break;
+        }
+        assert_eq!(reply.status(), 503, "{}", reply.text);
+        assert!(Instant::now() < deadline, "the first upload's place was never given back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
