@@ -390,6 +390,47 @@ pub async fn run(t: &Arc<Target>, w: Workload, clients: usize, limit: Limit) -> 
     Ok(total)
 }
 
+/// `clients` closed loops of orders until `limit`, each order the body `body(idem)` makes for its
+/// idempotency key (`{prefix}-{run}-{task}-{i}`, `run` random per call); a success counts as one
+/// unit consumed.
+pub async fn run_one_piece_orders(
+    t: &Arc<Target>,
+    clients: usize,
+    limit: Limit,
+    prefix: &'static str,
+    body: fn(&str) -> Value,
+) -> anyhow::Result<Stats> {
+    let started = Instant::now();
+    let stop = Stop::start(limit);
+    let run = random_hex(3);
+    let handles: Vec<_> = (0..clients)
+        .map(|task| {
+            let (t, stop, run) = (Arc::clone(t), stop.clone(), run.clone());
+            tokio::spawn(async move {
+                let mut stats = Stats::default();
+                let mut i: u64 = 0;
+                while stop.next() {
+                    i += 1;
+                    let idem = format!("{prefix}-{run}-{task}-{i}");
+                    let sent = Instant::now();
+                    let answer = order(&t, &idem, &body(&idem)).await;
+                    record(&mut stats, sent, &answer);
+                    if answer.ok {
+                        stats.consumed_expected += 1;
+                    }
+                }
+                stats
+            })
+        })
+        .collect();
+    let mut total = Stats::default();
+    for h in handles {
+        total.merge(h.await.context("a bench client task failed")?);
+    }
+    total.elapsed = started.elapsed();
+    Ok(total)
+}
+
 /// Checks the workload's resources and the tenant's reconciliation over HTTP; returns the
 /// violations found (empty: all invariants hold).
 pub async fn check(t: &Target, w: Workload, stats: &Stats) -> anyhow::Result<Vec<String>> {

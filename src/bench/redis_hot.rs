@@ -9,10 +9,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use serde_json::{json, Value};
 
-use super::load::{self, get_json, Limit, Stop, Target, TOTAL};
+use super::load::{self, get_json, Limit, Target, TOTAL};
 use super::Stats;
 
 /// The scenario's name and its resource key.
@@ -42,36 +42,14 @@ pub async fn create_resource(t: &Target) -> anyhow::Result<()> {
 
 /// `clients` closed loops of one-piece deductions of the redis-mode key until `limit`.
 pub async fn run(t: &Arc<Target>, clients: usize, limit: Limit) -> anyhow::Result<Stats> {
-    let started = Instant::now();
-    let stop = Stop::start(limit);
-    let run = super::server::random_hex(3);
-    let handles: Vec<_> = (0..clients)
-        .map(|task| {
-            let (t, run, stop) = (t.clone(), run.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut stats = Stats::default();
-                let mut i: u64 = 0;
-                while stop.next() {
-                    i += 1;
-                    let idem = format!("{NAME}-{run}-{task}-{i}");
-                    let sent = Instant::now();
-                    let body = json!({"order_id": idem, "action": "deduct", "lines": [{"key": KEY, "qty": 1}]});
-                    let outcome = load::order(&t, &idem, &body).await;
-                    if outcome.ok {
-                        stats.consumed_expected += 1;
-                    }
-                    load::record(&mut stats, sent, &outcome);
-                }
-                stats
-            })
-        })
-        .collect();
-    let mut total = Stats::default();
-    for h in handles {
-        total.merge(h.await.context("a bench client task failed")?);
-    }
-    total.elapsed = started.elapsed();
-    Ok(total)
+    load::run_one_piece_orders(
+        t,
+        clients,
+        limit,
+        NAME,
+        |idem| json!({"order_id": idem, "action": "deduct", "lines": [{"key": KEY, "qty": 1}]}),
+    )
+    .await
 }
 
 /// Waits for the backlog to settle, then checks the invariants; returns the violations.
