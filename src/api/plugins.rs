@@ -160,7 +160,7 @@ pub async fn put_plugin(
     // until its compile ends), so a burst of them cannot take the server's memory.
     let acceptable = params.is_ok() && is_wasm && host.is_some();
     let permit = match runtime {
-        Runtime::Js | Runtime::Python if acceptable => Some(Arc::clone(&state.uploads.large).try_acquire_owned()),
+        Runtime::Js | Runtime::Python if acceptable => Some(state.uploads.hold_large()),
         _ => None,
     };
     // The body is kept up to this runtime's limit (nothing of a request refused anyway), and
@@ -307,6 +307,25 @@ pub struct UploadTracker {
 impl UploadTracker {
     pub fn new(max_concurrent_large_uploads: usize) -> Self {
         Self { uploads: Mutex::default(), large: Arc::new(tokio::sync::Semaphore::new(max_concurrent_large_uploads)) }
+    }
+
+    /// A place for one large upload, if one is free; counted in
+    /// `stockd_plugin_large_uploads_in_progress` while held.
+    fn hold_large(&self) -> Result<LargeUpload, tokio::sync::TryAcquireError> {
+        let permit = Arc::clone(&self.large).try_acquire_owned()?;
+        metrics::gauge!("stockd_plugin_large_uploads_in_progress").increment(1.0);
+        Ok(LargeUpload { _permit: permit })
+    }
+}
+
+/// One of `max_concurrent_large_uploads` places, from reading the body to the compile's end.
+struct LargeUpload {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for LargeUpload {
+    fn drop(&mut self) {
+        metrics::gauge!("stockd_plugin_large_uploads_in_progress").decrement(1.0);
     }
 }
 
