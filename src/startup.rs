@@ -296,7 +296,12 @@ pub async fn run(
         settled_retention: Duration::from_secs(config.redis.settled_retention_seconds),
         failure_retention: Duration::from_secs(config.redis.failure_retention_seconds),
         events_purge_interval: Duration::from_secs(config.events.purge_interval_seconds),
-        events_retention: Duration::from_secs(config.events.retention_hours.saturating_mul(3600)),
+        // An applied order's idempotency record points at its event for the answer: events
+        // outlive the records (see `storage::body_columns`).
+        events_retention: Duration::from_secs(config.events.retention_hours.saturating_mul(3600)).max(
+            Duration::from_secs(config.idempotency.retention_hours.saturating_mul(3600))
+                .saturating_add(crate::storage::EVENTS_OUTLIVE_RECORDS),
+        ),
         nats: config.events.nats.clone(),
     };
     let policy = StuckPolicy {

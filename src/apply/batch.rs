@@ -183,9 +183,12 @@ pub async fn admit<P: Port>(
             }
         }
         let response = order_response(job, &admitted.results, reservation)?;
+        let mut event = None;
         if admitted.status != OrderStatus::Rejected {
             let (tenant, order_id) = (job.tenant.as_str(), job.order.order_id.as_str());
-            writes.events.push(events::order_applied_event(tenant, order_id, &response.body, now_ms));
+            let applied = events::order_applied_event(tenant, order_id, &response.body, now_ms);
+            event = Some(applied.id.clone());
+            writes.events.push(applied);
             writes.events.extend(held);
             let changed = admitted.changes.iter().map(|c| c.resource.clone());
             crossings(tenant, &mut rows, changed, now_ms, &mut writes.events);
@@ -195,6 +198,7 @@ pub async fn admit<P: Port>(
             key: job.idempotency.key.to_string(),
             request_hash: job.idempotency.request_hash.clone(),
             response: response.clone(),
+            event,
             at: now_ms,
         });
         out.orders[i] = Some(OrderExecution {

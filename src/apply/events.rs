@@ -11,17 +11,8 @@ use crate::events::{order_key, resource_key, EventType, NewEvent, Stock, StockBa
 use crate::storage::StorageError;
 use crate::time::Timestamp;
 
-/// An applied order (succeeded or partial): its document, as the client was answered.
-pub async fn order_applied<P: Port>(
-    port: &mut P,
-    tenant: &str,
-    order_id: &str,
-    document: &str,
-    now_ms: i64,
-) -> Result<(), StorageError> {
-    port.emit(&order_applied_event(tenant, order_id, document, now_ms)).await
-}
-
+/// An applied order (succeeded or partial): its document, as the client was answered. Its id
+/// is what the order's idempotency record keeps instead of the document.
 pub fn order_applied_event(tenant: &str, order_id: &str, document: &str, now_ms: i64) -> NewEvent {
     NewEvent::raw(tenant, EventType::OrderApplied, order_key(order_id), now_ms, document.to_string())
 }

@@ -139,10 +139,14 @@ pub async fn execute<P: Port>(port: &mut P, job: &OrderJob, now_ms: i64) -> Resu
         }
     }
     let response = order_response(job, &results, reservation)?;
-    port.store_outcome(&job.tenant, &job.idempotency, &response, now_ms).await?;
-    if status != OrderStatus::Rejected {
+    // An applied order's answer is its event's payload: the record keeps the event's id.
+    let applied = (status != OrderStatus::Rejected)
+        .then(|| events::order_applied_event(job.tenant.as_str(), job.order.order_id.as_str(), &response.body, now_ms));
+    port.store_outcome(&job.tenant, &job.idempotency, &response, applied.as_ref().map(|e| e.id.as_str()), now_ms)
+        .await?;
+    if let Some(applied) = applied {
         let tenant = job.tenant.as_str();
-        events::order_applied(port, tenant, job.order.order_id.as_str(), &response.body, now_ms).await?;
+        port.emit(&applied).await?;
         if let Some(held) = held {
             port.emit(&held).await?;
         }

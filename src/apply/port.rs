@@ -186,6 +186,9 @@ pub struct Outcome {
     pub key: String,
     pub request_hash: String,
     pub response: StoredResponse,
+    /// The batch's event whose payload is `response.body` (an applied order's `order.applied`):
+    /// the record then keeps this id instead of the body.
+    pub event: Option<String>,
     pub at: i64,
 }
 
@@ -237,11 +240,15 @@ pub trait Port {
         now_ms: i64,
     ) -> Result<Option<Idempotent>, StorageError>;
     /// Stores the outcome of a key this write claimed, in the same transaction as its effects.
+    /// `event`: the id of an event this transaction writes whose payload is `response.body`
+    /// byte for byte; the record then points at it instead of keeping the body (see
+    /// [`crate::storage::body_columns`]).
     async fn store_outcome(
         &mut self,
         tenant: &TenantId,
         idem: &IdempotencyRequest,
         response: &StoredResponse,
+        event: Option<&str>,
         now_ms: i64,
     ) -> Result<(), StorageError>;
     /// Gives back a claimed key whose request ends without a stored outcome.
@@ -331,12 +338,14 @@ pub trait Port {
     /// Adds to a per-user limit's count without a bound (Redis enforced it).
     async fn count_limit(&mut self, tenant: &str, key: &str, qty: i64) -> Result<(), StorageError>;
     /// Stores an outcome under a key unless the key has one; `true`: it was stored now.
+    /// `event` as for [`Port::store_outcome`].
     async fn store_outcome_if_absent(
         &mut self,
         tenant: &str,
         key: &str,
         request_hash: &str,
         response: &StoredResponse,
+        event: Option<&str>,
         at: i64,
     ) -> Result<bool, StorageError>;
 

@@ -26,7 +26,7 @@ pub async fn settle<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Res
         // Nothing changed in Redis's stock: only the client's answer is kept.
         let answer =
             StoredResponse { status: r.c.unwrap_or(409), content_type: ContentType::Json, body: r.body.clone() };
-        port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, r.at).await?;
+        port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, None, r.at).await?;
         return Ok(Settled::Answered);
     }
     if r.op() == "reverse" {
@@ -70,7 +70,7 @@ async fn settle_reverse<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) ->
     };
     // The client's answer, so a replay finds it after Redis forgot it.
     let answer = StoredResponse { status: 201, content_type: ContentType::Json, body: r.body.clone() };
-    let stored = port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, r.at).await?;
+    let stored = port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, None, r.at).await?;
     if settled == Settled::Applied {
         if stored {
             let event = NewEvent::raw(&r.t, EventType::OrderReversed, order_key(&r.oid), now_ms, r.body.clone());
@@ -153,9 +153,11 @@ async fn settle_take<P: Port>(port: &mut P, r: &SettleRecord, now_ms: i64) -> Re
     };
     // The client's answer, so a replay finds it even after Redis forgot it.
     let answer = StoredResponse { status: 201, content_type: ContentType::Json, body: r.body.clone() };
-    // The first of the order's lines to settle stores its answer, and emits its event.
-    if port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, r.at).await? {
-        events::order_applied(port, &r.t, &r.oid, &r.body, now_ms).await?;
+    // The first of the order's lines to settle stores its answer, and emits its event (whose
+    // payload the record then points at).
+    let applied = events::order_applied_event(&r.t, &r.oid, &r.body, now_ms);
+    if port.store_outcome_if_absent(&r.t, &r.idem, &r.h, &answer, Some(&applied.id), r.at).await? {
+        port.emit(&applied).await?;
     }
     if let Some(held) = held {
         port.emit(&held).await?;

@@ -630,8 +630,10 @@ const EVENTS: &str = "SELECT tenant_id, seq, type, ordering_key, at, data FROM e
 const RESERVATIONS: &str =
     "SELECT tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at FROM reservations";
 const USER_LIMITS: &str = "SELECT tenant_id, key, used FROM user_limits ORDER BY tenant_id, key";
-const IDEMPOTENCY: &str = "SELECT tenant_id, key, request_hash, response_code, response_type, response_body,
-        created_at FROM idempotency ORDER BY tenant_id, key";
+/// The answer as a replay reads it, and where it is kept (inline, or in the order's event).
+const IDEMPOTENCY: &str = "SELECT i.tenant_id, i.key, i.request_hash, i.response_code, i.response_type,
+        COALESCE(i.response_body, e.data), i.response_event IS NULL, i.created_at
+        FROM idempotency i LEFT JOIN events e ON e.id = i.response_event ORDER BY i.tenant_id, i.key";
 const BUCKETS: &str = "SELECT tenant_id, resource_key, bucket FROM resource_buckets ORDER BY 1, 2, 3";
 
 /// The first row where two dumps differ, if any.

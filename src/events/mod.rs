@@ -79,11 +79,13 @@ impl std::fmt::Display for EventType {
     }
 }
 
-/// An event to write with the change that caused it. Its id is made when it is written
-/// ([`new_event_id`], so ids follow the order of writing) and its sequence number when the
-/// transaction commits.
+/// An event to write with the change that caused it. Its id is made with it ([`new_event_id`]),
+/// so that a record written beside it can name it (an applied order's idempotency record keeps
+/// only its event's id: the event's payload is the answer); its sequence number is given when
+/// the transaction commits, in the order the events were written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewEvent {
+    pub id: String,
     pub tenant: String,
     pub kind: EventType,
     /// Deliveries keep sequence order among events with the same one: `resource:<key>` for a
@@ -97,12 +99,12 @@ pub struct NewEvent {
 
 impl NewEvent {
     pub fn new(tenant: &str, kind: EventType, ordering_key: String, at: i64, data: &serde_json::Value) -> Self {
-        Self { tenant: tenant.to_string(), kind, ordering_key, at, data: data.to_string() }
+        Self { id: new_event_id(), tenant: tenant.to_string(), kind, ordering_key, at, data: data.to_string() }
     }
 
     /// An event whose payload is already JSON text (a stored order document).
     pub fn raw(tenant: &str, kind: EventType, ordering_key: String, at: i64, data: String) -> Self {
-        Self { tenant: tenant.to_string(), kind, ordering_key, at, data }
+        Self { id: new_event_id(), tenant: tenant.to_string(), kind, ordering_key, at, data }
     }
 }
 
@@ -162,8 +164,7 @@ pub fn next_commit() -> tokio::sync::futures::Notified<'static> {
 }
 
 /// Event ids in the order this process makes them (a ULID's random part is not ordered within
-/// a millisecond). A backend makes an event's id as it writes it, so a transaction's events are
-/// in id order as they were written: the PostgreSQL backend numbers them in that order.
+/// a millisecond).
 pub fn new_event_id() -> String {
     static IDS: std::sync::Mutex<Option<ulid::Generator>> = std::sync::Mutex::new(None);
     let mut guard = IDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

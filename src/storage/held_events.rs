@@ -14,13 +14,12 @@
 use std::cell::RefCell;
 use std::future::Future;
 
-use crate::events::{new_event_id, NewEvent};
+use crate::events::NewEvent;
 use crate::storage::StorageError;
 
-/// An event of the batch attempt, its id made when it was emitted (ids sort in the order made).
+/// An event of the batch attempt.
 #[derive(Debug)]
 pub(crate) struct Held {
-    pub(crate) id: String,
     pub(crate) event: NewEvent,
 }
 
@@ -37,7 +36,7 @@ pub(crate) fn scope<F: Future>(attempt: F) -> impl Future<Output = F::Output> {
 /// Holds events the current batch attempt emitted (in its transaction) until it seals.
 pub(crate) fn hold(events: &[NewEvent]) -> Result<(), StorageError> {
     WRITTEN
-        .try_with(|w| w.borrow_mut().extend(events.iter().map(|e| Held { id: new_event_id(), event: e.clone() })))
+        .try_with(|w| w.borrow_mut().extend(events.iter().map(|e| Held { event: e.clone() })))
         .map_err(|_| StorageError::Internal("an event was written outside a batch".into()))
 }
 

@@ -138,10 +138,57 @@ impl StoredResponse {
         Ok(Self { status, content_type: ContentType::from_db(kind), body })
     }
 
+    /// A record's response from its columns as read through [`outcome_columns!`] (the body
+    /// joined from its event where the record points at one); `None`: the record is claimed by
+    /// a write that has not answered yet.
+    pub fn from_columns(
+        code: Option<i64>,
+        kind: Option<&str>,
+        body: Option<String>,
+    ) -> Result<Option<Self>, StorageError> {
+        match (code, kind, body) {
+            (Some(code), Some(kind), Some(body)) => Self::from_db(code, kind, body).map(Some),
+            // Answered, and its event is gone: only a record past its retention, which the
+            // idempotency purge is about to delete (events outlive records, see `body_columns`).
+            (Some(_), _, None) => {
+                Err(StorageError::Unavailable("an idempotency record past its retention awaits its purge".into()))
+            }
+            _ => Ok(None),
+        }
+    }
+
     pub fn problem(problem: &Problem) -> Result<Self, StorageError> {
         let body = serde_json::to_string(problem).map_err(|e| StorageError::Internal(e.to_string()))?;
         Ok(Self { status: problem.status, content_type: ContentType::Problem, body })
     }
+}
+
+/// The `response_body` and `response_event` columns of an idempotency record whose answer is
+/// `response`. An applied order's answer is, byte for byte, the payload of the `order.applied`
+/// event written in the same transaction: the record keeps that event's id (`event`) and not the
+/// body, so the document is stored once. Reads join the event back ([`outcome_columns!`]); the
+/// events purge keeps events at least [`EVENTS_OUTLIVE_RECORDS`] longer than records.
+pub fn body_columns<'a>(response: &'a StoredResponse, event: Option<&'a str>) -> (Option<&'a str>, Option<&'a str>) {
+    match event {
+        Some(id) => (None, Some(id)),
+        None => (Some(response.body.as_str()), None),
+    }
+}
+
+/// How much longer than `[idempotency] retention_hours` events are kept at least, whatever
+/// `[events] retention_hours` says: a record may point at its order's event until the
+/// idempotency purge (every `purge_interval_seconds`) deletes it.
+pub const EVENTS_OUTLIVE_RECORDS: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// The columns a stored outcome is read with, from `idempotency i` joined to the event that
+/// holds an applied order's answer (`e`): `request_hash, response_code, response_type,
+/// response_body`. Followed by a `WHERE` (or a further `JOIN`) on `i`.
+#[macro_export]
+macro_rules! outcome_columns {
+    () => {
+        "i.request_hash, i.response_code, i.response_type, COALESCE(i.response_body, e.data) AS response_body
+         FROM idempotency i LEFT JOIN events e ON e.id = i.response_event"
+    };
 }
 
 /// The identity of an idempotent request: the tenant-scoped key and a hash of

@@ -153,8 +153,11 @@ impl SettlementTable {
 pub(crate) const REDIS_RESOURCES_SQL: &str = "SELECT tenant_id, key FROM resources WHERE mode = 'redis' LIMIT $1";
 /// An idempotency key's finished record (both backends). Only finished: one still claimed by an
 /// in-flight request has no response yet, and that request will store its own.
-pub(crate) const STORED_OUTCOME_SQL: &str = "SELECT request_hash, response_code, response_type, response_body
-    FROM idempotency WHERE tenant_id = $1 AND key = $2 AND response_code IS NOT NULL";
+pub(crate) const STORED_OUTCOME_SQL: &str = concat!(
+    "SELECT ",
+    crate::outcome_columns!(),
+    " WHERE i.tenant_id = $1 AND i.key = $2 AND i.response_code IS NOT NULL"
+);
 
 /// A `(tenant, key)` pair as stored.
 pub(crate) fn parse_pair(tenant: String, key: String) -> Result<(TenantId, ResourceKey), StorageError> {

@@ -413,18 +413,23 @@ async fn a_reader_following_the_feed_misses_nothing_while_three_processes_write(
 }
 
 /// Proves events older than `[events] retention_hours` are deleted by the background purge,
-/// and younger ones kept (the feed then starts after the purged numbers).
+/// and younger ones kept (the feed then starts after the purged numbers). Events outlive
+/// idempotency records by an hour (replays of applied orders answer from them): with records
+/// kept 1 h, events are kept 2 h.
 #[tokio::test]
 async fn events_past_their_retention_are_purged() {
-    let app =
-        spawn_app_with(AppOptions::default().toml("[events]\nretention_hours = 1\npurge_interval_seconds = 1")).await;
+    let app = spawn_app_with(
+        AppOptions::default()
+            .toml("[idempotency]\nretention_hours = 1\n[events]\nretention_hours = 1\npurge_interval_seconds = 1"),
+    )
+    .await;
     let shop = app.create_tenant("shop").await;
     shop.create_resource("sku-1", 10).await;
     for i in 0..3 {
         shop.order(&format!("k{i}"), &deduct(&format!("ORD-{i}"), &[("sku-1", 1)])).await.expect_json(201);
     }
-    // The first two are two hours old.
-    tamper(app.database_url(), &["UPDATE events SET at = at - 7200000 WHERE tenant_id = 'shop' AND seq <= 2"]).await;
+    // The first two are three hours old.
+    tamper(app.database_url(), &["UPDATE events SET at = at - 10800000 WHERE tenant_id = 'shop' AND seq <= 2"]).await;
     let deadline = tokio::time::Instant::now() + DEADLINE;
     loop {
         let page = shop.get("/v1/events").await.expect_json(200);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use sqlx::Connection;
 
-use crate::helpers::{mysql_connect_ansi, spawn_app_with, AppOptions, Backend, TestApp};
+use crate::helpers::{deduct, mysql_connect_ansi, spawn_app_with, AppOptions, Backend, TestApp};
 use crate::redis_support::{
     create_redis_resource, deduct_one, order_through_503, redis_app, redis_conn, shared_redis_url, stream_key,
     wait_settled,
@@ -235,4 +235,62 @@ async fn the_consumer_of_a_killed_process_leaves_the_settlement_group() {
     assert_eq!(order_through_503(&shop_there, "last", &deduct_one("last", "sku-1", 1, None)).await.status(), 201);
     wait_settled(&shop_there, "sku-1", sold + 1).await;
     assert_eq!(consumers(&mut conn, &stream).await, ours, "the live process's consumer is the one left");
+}
+
+/// An applied order's answer is stored once, as its `order.applied` event's payload: its
+/// idempotency record keeps the event's id and no body, and a replay answers from the event,
+/// byte for byte. Events outlive records by an hour whatever `[events] retention_hours` says:
+/// with records kept 2 h and events 1 h, an order answered 90 minutes ago still replays after a
+/// purge pass that deleted a 4-hour-old order's record and event. A rejected order (no event)
+/// keeps its answer in its record.
+#[tokio::test]
+async fn a_replayed_order_answers_from_its_event_which_outlives_the_record() {
+    let app = spawn_app_with(AppOptions::default().toml(
+        "[idempotency]\nretention_hours = 2\npurge_interval_seconds = 1\n\
+         [events]\nretention_hours = 1\npurge_interval_seconds = 1",
+    ))
+    .await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 5).await;
+    let young = deduct("ORD-young", &[("sku-1", 1)]);
+    let first = shop.order("young", &young).await;
+    assert_eq!(first.status(), 201, "{}", first.text);
+    shop.order("old", &deduct("ORD-old", &[("sku-1", 1)])).await.expect_json(201);
+    let rejected = deduct("ORD-rejected", &[("sku-1", 100)]);
+    let refusal = shop.order("rejected", &rejected).await;
+    assert_eq!(refusal.status(), 409, "{}", refusal.text);
+
+    let mut db = Db::connect(&app).await;
+    let in_event = "SELECT COUNT(*) FROM idempotency WHERE tenant_id = 'shop' AND \"key\" IN ('young', 'old')
+                    AND response_body IS NULL AND response_event IS NOT NULL";
+    assert_eq!(db.count(in_event).await, 2, "an applied order's record keeps its event's id, not the body");
+    let inline = "SELECT COUNT(*) FROM idempotency WHERE tenant_id = 'shop' AND \"key\" = 'rejected'
+                  AND response_body IS NOT NULL AND response_event IS NULL";
+    assert_eq!(db.count(inline).await, 1, "a rejected order keeps its answer in its record");
+
+    for (key, order, age_ms) in [("young", "ORD-young", 3 * HOUR_MS / 2), ("old", "ORD-old", 4 * HOUR_MS)] {
+        db.execute(&format!(
+            "UPDATE idempotency SET created_at = created_at - {age_ms} WHERE tenant_id = 'shop' AND \"key\" = '{key}'"
+        ))
+        .await;
+        db.execute(&format!(
+            "UPDATE events SET at = at - {age_ms} WHERE tenant_id = 'shop' AND ordering_key = 'order:{order}'"
+        ))
+        .await;
+    }
+    // Both purges ran over the aged rows: the old order's record and event are gone.
+    let old_left = "SELECT (SELECT COUNT(*) FROM idempotency WHERE tenant_id = 'shop' AND \"key\" = 'old')
+                         + (SELECT COUNT(*) FROM events WHERE tenant_id = 'shop' AND ordering_key = 'order:ORD-old')";
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while db.count(old_left).await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the 4-hour-old record and event were never purged");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let again = shop.order("young", &young).await;
+    assert_eq!(again.status(), 201, "the young order's event is kept for its record: {}", again.text);
+    assert_eq!(again.text, first.text, "same bytes");
+    assert!(again.replayed(), "marked Idempotent-Replayed: true");
+    let refused_again = shop.order("rejected", &rejected).await;
+    assert_eq!((refused_again.status(), refused_again.text.as_str()), (409, refusal.text.as_str()));
 }

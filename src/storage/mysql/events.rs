@@ -57,7 +57,7 @@ pub(crate) async fn seal(conn: &mut MySqlConnection) -> Result<Vec<String>, sqlx
             *n - 1
         });
         insert = insert
-            .bind(&h.id)
+            .bind(&h.event.id)
             .bind(&h.event.tenant)
             .bind(seq)
             .bind(h.event.kind.as_str())

@@ -30,7 +30,9 @@ use crate::engine::{
 use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
-use crate::storage::{IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse};
+use crate::storage::{
+    body_columns, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
+};
 
 fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
@@ -47,9 +49,7 @@ pub(super) fn tuples(n: usize, group: usize) -> String {
 pub(super) fn stored_response(row: &MySqlRow) -> Result<Option<StoredResponse>, StorageError> {
     let code: Option<i32> = row.try_get("response_code")?;
     let kind = row.opt_text("response_type")?;
-    let body = row.opt_text("response_body")?;
-    let (Some(code), Some(kind), Some(body)) = (code, kind, body) else { return Ok(None) };
-    StoredResponse::from_db(i64::from(code), &kind, body).map(Some)
+    StoredResponse::from_columns(code.map(i64::from), kind.as_deref(), row.opt_text("response_body")?)
 }
 
 /// The guarded UPDATE of a change, in the shared `$n` form: `$1` quantity, `$2` time, `$3`
@@ -177,8 +177,8 @@ impl<'c> MyPort<'c> {
         keys: &[(String, String)],
     ) -> Result<HashMap<(String, String), (String, StoredResponse)>, StorageError> {
         let sql = format!(
-            "SELECT tenant_id, `key`, request_hash, response_code, response_type, response_body
-             FROM idempotency WHERE (tenant_id, `key`) IN ({})",
+            "SELECT i.tenant_id, i.`key`, {} WHERE (i.tenant_id, i.`key`) IN ({})",
+            crate::outcome_columns!(),
             tuples(keys.len(), 2)
         );
         let mut query = sqlx::query(&sql);
@@ -247,14 +247,11 @@ impl Port for MyPort<'_> {
         if inserted == 1 {
             return Ok(None);
         }
-        let row = sqlx::query(
-            "SELECT request_hash, response_code, response_type, response_body FROM idempotency
-             WHERE tenant_id = ? AND `key` = ?",
-        )
-        .bind(tenant.as_str())
-        .bind(idem.key.as_str())
-        .fetch_optional(&mut *self.conn)
-        .await?;
+        let row = sqlx::query(concat!("SELECT ", crate::outcome_columns!(), " WHERE i.tenant_id = ? AND i.`key` = ?"))
+            .bind(tenant.as_str())
+            .bind(idem.key.as_str())
+            .fetch_optional(&mut *self.conn)
+            .await?;
         // The row conflicted a moment ago and is gone now: the purge job removed an expired key in
         // between. Transient: the retried batch finds the key free.
         let Some(row) = row else { return Err(StorageError::Unavailable("idempotency key vanished".into())) };
@@ -275,15 +272,18 @@ impl Port for MyPort<'_> {
         tenant: &TenantId,
         idem: &IdempotencyRequest,
         response: &StoredResponse,
+        event: Option<&str>,
         _now_ms: i64,
     ) -> Result<(), StorageError> {
+        let (body, event) = body_columns(response, event);
         let updated = sqlx::query(
-            "UPDATE idempotency SET response_code = ?, response_type = ?, response_body = ?
+            "UPDATE idempotency SET response_code = ?, response_type = ?, response_body = ?, response_event = ?
              WHERE tenant_id = ? AND `key` = ?",
         )
         .bind(i32::from(response.status))
         .bind(response.content_type.as_str())
-        .bind(&response.body)
+        .bind(body)
+        .bind(event)
         .bind(tenant.as_str())
         .bind(idem.key.as_str())
         .execute(&mut *self.conn)
@@ -729,19 +729,22 @@ impl Port for MyPort<'_> {
         key: &str,
         request_hash: &str,
         response: &StoredResponse,
+        event: Option<&str>,
         at: i64,
     ) -> Result<bool, StorageError> {
+        let (body, event) = body_columns(response, event);
         let stored = sqlx::query(
             "INSERT IGNORE INTO idempotency (tenant_id, `key`, request_hash, response_code, response_type,
-                                             response_body, created_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                             response_body, response_event, created_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(tenant)
         .bind(key)
         .bind(request_hash)
         .bind(i32::from(response.status))
         .bind(response.content_type.as_str())
-        .bind(&response.body)
+        .bind(body)
+        .bind(event)
         .bind(at)
         .execute(&mut *self.conn)
         .await?;
@@ -851,18 +854,20 @@ impl Port for MyPort<'_> {
         // IGNORE skips only a key another transaction took first: counted below.
         let sql = many(
             "INSERT IGNORE INTO idempotency (tenant_id, `key`, request_hash, response_code, response_type,
-                                             response_body, created_at)",
-            7,
+                                             response_body, response_event, created_at)",
+            8,
             w.outcomes.len(),
         );
         let answered = self
             .insert_many(&sql, &w.outcomes, |q, x| {
+                let (body, event) = body_columns(&x.response, x.event.as_deref());
                 q.bind(&x.tenant)
                     .bind(&x.key)
                     .bind(&x.request_hash)
                     .bind(i32::from(x.response.status))
                     .bind(x.response.content_type.as_str())
-                    .bind(&x.response.body)
+                    .bind(body)
+                    .bind(event)
                     .bind(x.at)
             })
             .await?;

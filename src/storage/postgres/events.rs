@@ -34,7 +34,7 @@ pub(crate) async fn seal(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::E
          ORDER BY m.n
          RETURNING type",
     )
-    .bind(col(&held, |h| h.id.clone()))
+    .bind(col(&held, |h| h.event.id.clone()))
     .bind(col(&held, |h| h.event.tenant.clone()))
     .bind(col(&held, |h| h.event.kind.as_str()))
     .bind(col(&held, |h| h.event.ordering_key.clone()))

@@ -420,13 +420,14 @@ impl Storage for PgStorage {
         idem: &IdempotencyRequest,
     ) -> Result<Option<Idempotent>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        let row: Option<(String, i32, String, String)> = sqlx::query_as(STORED_OUTCOME_SQL)
+        let row: Option<(String, i32, String, Option<String>)> = sqlx::query_as(STORED_OUTCOME_SQL)
             .bind(tenant.as_str())
             .bind(idem.key.as_str())
             .fetch_optional(&mut *conn)
             .await?;
         let Some((hash, code, kind, body)) = row else { return Ok(None) };
-        Ok(Some(idem.judge(&hash, super::StoredResponse::from_db(i64::from(code), &kind, body)?)))
+        let response = super::StoredResponse::from_columns(Some(i64::from(code)), Some(&kind), body)?;
+        Ok(response.map(|response| idem.judge(&hash, response)))
     }
 
     async fn execute_order(&self, job: Arc<OrderJob>, now_ms: i64) -> Result<OrderExecution, StorageError> {

@@ -25,7 +25,9 @@ use crate::engine::{
 use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
-use crate::storage::{IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse};
+use crate::storage::{
+    body_columns, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
+};
 
 fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
@@ -36,9 +38,7 @@ fn corrupt(what: &str) -> StorageError {
 pub(super) fn stored_response(row: &PgRow) -> Result<Option<StoredResponse>, StorageError> {
     let code: Option<i32> = row.try_get("response_code")?;
     let kind: Option<&str> = row.try_get("response_type")?;
-    let body: Option<String> = row.try_get("response_body")?;
-    let (Some(code), Some(kind), Some(body)) = (code, kind, body) else { return Ok(None) };
-    StoredResponse::from_db(i64::from(code), kind, body).map(Some)
+    StoredResponse::from_columns(code.map(i64::from), kind, row.try_get("response_body")?)
 }
 
 /// A guarded UPDATE and its ledger row in one statement. `$1` quantity, `$2` time, `$3` tenant,
@@ -158,11 +158,11 @@ impl<'c> PgPort<'c> {
         tenants: &[String],
         keys: &[String],
     ) -> Result<std::collections::HashMap<(String, String), (String, StoredResponse)>, StorageError> {
-        let rows = sqlx::query(
-            "SELECT i.tenant_id, i.key, i.request_hash, i.response_code, i.response_type, i.response_body
-             FROM idempotency i JOIN UNNEST($1::text[], $2::text[]) AS u (tenant_id, key)
-               ON i.tenant_id = u.tenant_id AND i.key = u.key",
-        )
+        let rows = sqlx::query(concat!(
+            "SELECT i.tenant_id, i.key, ",
+            crate::outcome_columns!(),
+            " JOIN UNNEST($1::text[], $2::text[]) AS u (tenant_id, key) ON i.tenant_id = u.tenant_id AND i.key = u.key"
+        ))
         .bind(tenants)
         .bind(keys)
         .fetch_all(&mut *self.conn)
@@ -202,14 +202,11 @@ impl Port for PgPort<'_> {
         if inserted == 1 {
             return Ok(None);
         }
-        let row = sqlx::query(
-            "SELECT request_hash, response_code, response_type, response_body FROM idempotency
-             WHERE tenant_id = $1 AND key = $2",
-        )
-        .bind(tenant.as_str())
-        .bind(idem.key.as_str())
-        .fetch_optional(&mut *self.conn)
-        .await?;
+        let row = sqlx::query(concat!("SELECT ", crate::outcome_columns!(), " WHERE i.tenant_id = $1 AND i.key = $2"))
+            .bind(tenant.as_str())
+            .bind(idem.key.as_str())
+            .fetch_optional(&mut *self.conn)
+            .await?;
         // The row conflicted a moment ago and is gone now: the purge job removed an expired key in
         // between. Transient: the retried batch finds the key free.
         let Some(row) = row else { return Err(StorageError::Unavailable("idempotency key vanished".into())) };
@@ -230,17 +227,20 @@ impl Port for PgPort<'_> {
         tenant: &TenantId,
         idem: &IdempotencyRequest,
         response: &StoredResponse,
+        event: Option<&str>,
         _now_ms: i64,
     ) -> Result<(), StorageError> {
+        let (body, event) = body_columns(response, event);
         let updated = sqlx::query(
-            "UPDATE idempotency SET response_code = $1, response_type = $2, response_body = $3
+            "UPDATE idempotency SET response_code = $1, response_type = $2, response_body = $3, response_event = $6
              WHERE tenant_id = $4 AND key = $5",
         )
         .bind(i32::from(response.status))
         .bind(response.content_type.as_str())
-        .bind(&response.body)
+        .bind(body)
         .bind(tenant.as_str())
         .bind(idem.key.as_str())
+        .bind(event)
         .execute(&mut *self.conn)
         .await?
         .rows_affected();
@@ -672,19 +672,22 @@ impl Port for PgPort<'_> {
         key: &str,
         request_hash: &str,
         response: &StoredResponse,
+        event: Option<&str>,
         at: i64,
     ) -> Result<bool, StorageError> {
+        let (body, event) = body_columns(response, event);
         let stored = sqlx::query(
             "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
-                                      created_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+                                      response_event, created_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
         )
         .bind(tenant)
         .bind(key)
         .bind(request_hash)
         .bind(i32::from(response.status))
         .bind(response.content_type.as_str())
-        .bind(&response.body)
+        .bind(body)
+        .bind(event)
         .bind(at)
         .execute(&mut *self.conn)
         .await?;
@@ -759,9 +762,9 @@ impl Port for PgPort<'_> {
                 RETURNING 1),
              answered AS (
                 INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
-                                         created_at)
+                                         response_event, created_at)
                 SELECT * FROM UNNEST($28::text[], $29::text[], $40::text[], $30::int[], $31::text[], $32::text[],
-                                     $41::bigint[])
+                                     $42::text[], $41::bigint[])
                 ON CONFLICT (tenant_id, key) DO NOTHING
                 RETURNING 1)
              SELECT (SELECT COUNT(*) FROM written) AS written, (SELECT COUNT(*) FROM ledgered) AS ledgered,
@@ -799,7 +802,7 @@ impl Port for PgPort<'_> {
         .bind(col(o, |x| x.key.clone()))
         .bind(col(o, |x| i32::from(x.response.status)))
         .bind(col(o, |x| x.response.content_type.as_str()))
-        .bind(col(o, |x| x.response.body.clone()))
+        .bind(col(o, |x| body_columns(&x.response, x.event.as_deref()).0.map(str::to_owned)))
         .bind(col(l, |x| x.line_key.clone()))
         .bind(col(c, |x| x.stock.map(|s| s.as_str())))
         .bind(col(l, |x| x.limit_key.clone()))
@@ -809,6 +812,7 @@ impl Port for PgPort<'_> {
         .bind(col(m, |x| x.at))
         .bind(col(o, |x| x.request_hash.clone()))
         .bind(col(o, |x| x.at))
+        .bind(col(o, |x| x.event.clone()))
         .fetch_one(&mut *self.conn)
         .await?;
         let count = |name: &str| -> Result<u64, StorageError> { Ok(counts.try_get::<i64, _>(name)?.max(0) as u64) };

@@ -19,10 +19,12 @@ use crate::engine::{
     BucketCounts, Checkpoint, Kind, LedgerEntry, LimitSpec, Mode, Pass, Reservation, ReservationState, ResourceState,
     ResourceStatus, TenantId, MAX_TOTAL,
 };
-use crate::events::{new_event_id, NewEvent, Stock, StockBand};
+use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL, STORED_OUTCOME_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
-use crate::storage::{IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse};
+use crate::storage::{
+    body_columns, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
+};
 
 pub(super) fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
@@ -127,9 +129,9 @@ const INSERT_LEDGER: &str =
                          line_key, limit_key, reverses)
      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)";
 
-const INSERT_OUTCOME: &str =
-    "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body, created_at)
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
+const INSERT_OUTCOME: &str = "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type,
+                                                      response_body, response_event, created_at)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)";
 
 const INSERT_RESERVATION: &str =
     "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
@@ -164,12 +166,13 @@ impl<'c> SqlitePort<'c> {
                     row.get::<_, String>(0)?,
                     row.get::<_, i64>(1)?,
                     row.get::<_, String>(2)?,
-                    row.get::<_, String>(3)?,
+                    row.get::<_, Option<String>>(3)?,
                 ))
             })
             .optional()?;
         let Some((hash, code, kind, body)) = row else { return Ok(None) };
-        Ok(Some(idem.judge(&hash, StoredResponse::from_db(code, &kind, body)?)))
+        let Some(response) = StoredResponse::from_columns(Some(code), Some(&kind), body)? else { return Ok(None) };
+        Ok(Some(idem.judge(&hash, response)))
     }
 
     fn ledger(&self, e: &Entry<'_>, after: Counts) -> Result<(), StorageError> {
@@ -212,7 +215,7 @@ impl<'c> SqlitePort<'c> {
             "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )?;
         for (e, seq) in events.iter().zip(last - n + 1..) {
-            insert.execute(params![new_event_id(), e.tenant, seq, e.kind.as_str(), e.ordering_key, e.at, e.data])?;
+            insert.execute(params![e.id, e.tenant, seq, e.kind.as_str(), e.ordering_key, e.at, e.data])?;
             crate::events::written_now(e.kind);
         }
         Ok(())
@@ -285,15 +288,18 @@ impl Port for SqlitePort<'_> {
         tenant: &TenantId,
         idem: &IdempotencyRequest,
         response: &StoredResponse,
+        event: Option<&str>,
         now_ms: i64,
     ) -> Result<(), StorageError> {
+        let (body, event) = body_columns(response, event);
         self.conn.prepare_cached(INSERT_OUTCOME)?.execute(params![
             tenant.as_str(),
             idem.key.as_str(),
             idem.request_hash,
             i64::from(response.status),
             response.content_type.as_str(),
-            response.body,
+            body,
+            event,
             now_ms
         ])?;
         Ok(())
@@ -624,14 +630,16 @@ impl Port for SqlitePort<'_> {
         key: &str,
         request_hash: &str,
         response: &StoredResponse,
+        event: Option<&str>,
         at: i64,
     ) -> Result<bool, StorageError> {
+        let (body, event) = body_columns(response, event);
         let stored = self
             .conn
             .prepare_cached(
                 "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
-                                          created_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",
+                                          response_event, created_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) ON CONFLICT DO NOTHING",
             )?
             .execute(params![
                 tenant,
@@ -639,7 +647,8 @@ impl Port for SqlitePort<'_> {
                 request_hash,
                 i64::from(response.status),
                 response.content_type.as_str(),
-                response.body,
+                body,
+                event,
                 at
             ])?;
         Ok(stored == 1)
@@ -712,13 +721,15 @@ impl Port for SqlitePort<'_> {
             }
         }
         for o in &w.outcomes {
+            let (body, event) = body_columns(&o.response, o.event.as_deref());
             self.conn.prepare_cached(INSERT_OUTCOME)?.execute(params![
                 o.tenant,
                 o.key,
                 o.request_hash,
                 i64::from(o.response.status),
                 o.response.content_type.as_str(),
-                o.response.body,
+                body,
+                event,
                 o.at
             ])?;
         }
