@@ -10,8 +10,10 @@
  */
 import { defaultPlan, trim } from "../sdk/stockd.js";
 
-/** Bytes added to the hoard per step of the `memory` mode. */
-const HOARD_STEP_BYTES = 1 << 20;
+/** Bytes added to the hoard per step of the `memory` mode: large, so that few steps (each an
+ * allocation and a memory.grow) reach the memory limit long before the time limit, even on a
+ * machine busy with other work. */
+const HOARD_STEP_BYTES = 16 << 20;
 
 /**
  * @param {import("../sdk/stockd.js").Order} order
