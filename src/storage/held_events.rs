@@ -40,6 +40,11 @@ pub(crate) fn hold(events: &[NewEvent]) -> Result<(), StorageError> {
         .map_err(|_| StorageError::Internal("an event was written outside a batch".into()))
 }
 
+/// The payload of an event the current attempt holds (not inserted yet), by its id.
+pub(crate) fn held_data(id: &str) -> Option<String> {
+    WRITTEN.try_with(|w| w.borrow().iter().find(|h| h.event.id == id).map(|h| h.event.data.clone())).ok().flatten()
+}
+
 /// Where the attempt's events stand (before a job's savepoint).
 pub(crate) fn mark() -> usize {
     WRITTEN.try_with(|w| w.borrow().len()).unwrap_or(0)

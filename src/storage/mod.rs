@@ -182,12 +182,15 @@ pub const EVENTS_OUTLIVE_RECORDS: std::time::Duration = std::time::Duration::fro
 
 /// The columns a stored outcome is read with, from `idempotency i` joined to the event that
 /// holds an applied order's answer (`e`): `request_hash, response_code, response_type,
-/// response_body`. Followed by a `WHERE` (or a further `JOIN`) on `i`.
+/// response_body, response_event`. Followed by a `WHERE` (or a further `JOIN`) on `i`. A record
+/// this transaction wrote may name an event it still holds in memory (the server-database
+/// backends insert a batch's events at its end): `response_body` is then NULL and
+/// `held_events::held_data` has the body.
 #[macro_export]
 macro_rules! outcome_columns {
     () => {
-        "i.request_hash, i.response_code, i.response_type, COALESCE(i.response_body, e.data) AS response_body
-         FROM idempotency i LEFT JOIN events e ON e.id = i.response_event"
+        "i.request_hash, i.response_code, i.response_type, COALESCE(i.response_body, e.data) AS response_body,
+         i.response_event FROM idempotency i LEFT JOIN events e ON e.id = i.response_event"
     };
 }
 
