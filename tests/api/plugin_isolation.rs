@@ -375,44 +375,62 @@ async fn each_structural_limit_refuses_its_own_bomb_at_once_and_names_it() {
 /// Proves concurrent uploads of the same bytes share one compile (single flight): while the
 /// first upload's compiler runs, three more arrive; all four get the same answer, at most one
 /// compiler child runs at any time, and `stockd_plugin_compiles_total` grows by exactly one
-/// (`result="refused"`).
+/// (`result="refused"`). A compile starved of CPU by a busy machine answers `503`, retry, by
+/// design: then all four share that answer, and the round is run again (at most
+/// `STARVED_ROUNDS` times).
 #[tokio::test]
 async fn identical_concurrent_uploads_compile_once_and_get_the_same_answer() {
+    const STARVED_ROUNDS: usize = 3;
     let app = spawn_app_with(Settings::default().heavy_times_out().app()).await;
     let shop = app.create_tenant("shop").await;
     let bomb = planner_bomb(HEAVY);
-    let compiles_before = counter(&app, "stockd_plugin_compiles_total", "").await;
-    let refused_before = counter(&app, "stockd_plugin_compiles_total", r#"result="refused""#).await;
-    let compilers = PeakWatch::children_running(app.pid(), COMPILER);
+    for round in 1..=STARVED_ROUNDS {
+        let compiles_before = counter(&app, "stockd_plugin_compiles_total", "").await;
+        let refused_before = counter(&app, "stockd_plugin_compiles_total", r#"result="refused""#).await;
+        let compilers = PeakWatch::children_running(app.pid(), COMPILER);
 
-    let first = tokio::spawn({
-        let (shop, bomb) = (shop.clone(), bomb.clone());
-        async move { shop.put_plugin(bomb).await }
-    });
-    compiler_child(&app).await;
-    let others: Vec<_> = (0..3)
-        .map(|_| {
+        let first = tokio::spawn({
             let (shop, bomb) = (shop.clone(), bomb.clone());
-            tokio::spawn(async move { shop.put_plugin(bomb).await })
+            async move { shop.put_plugin(bomb).await }
+        });
+        compiler_child(&app).await;
+        let others: Vec<_> = (0..3)
+            .map(|_| {
+                let (shop, bomb) = (shop.clone(), bomb.clone());
+                tokio::spawn(async move { shop.put_plugin(bomb).await })
+            })
+            .collect();
+        let all = within(REFUSAL_DEADLINE, "four identical uploads", &app, async {
+            let mut replies = vec![first.await.expect("the upload task does not panic")];
+            for other in others {
+                replies.push(other.await.expect("the upload task does not panic"));
+            }
+            replies
         })
-        .collect();
-    let all = within(REFUSAL_DEADLINE, "four identical uploads", &app, async {
-        let mut replies = vec![first.await.expect("the upload task does not panic")];
-        for other in others {
-            replies.push(other.await.expect("the upload task does not panic"));
-        }
-        replies
-    })
-    .await;
+        .await;
+        assert_eq!(compilers.peak().await, 1, "one compiler child at a time, for the one compile");
+        let compiles = counter(&app, "stockd_plugin_compiles_total", "").await - compiles_before;
+        assert_eq!(compiles, 1.0, "four identical uploads make one compile");
 
-    let first_answer = assert_too_complex(&all[0], "the first upload");
-    for (index, reply) in all.iter().enumerate() {
-        assert_eq!(assert_too_complex(reply, "an identical upload"), first_answer, "upload {index}: the same answer");
+        if all[0].status() == 503 && round < STARVED_ROUNDS {
+            for reply in &all {
+                assert_problem(reply, 503, "unavailable");
+                assert_eq!(reply.text, all[0].text, "the same answer");
+            }
+            continue;
+        }
+        let first_answer = assert_too_complex(&all[0], "the first upload");
+        for (index, reply) in all.iter().enumerate() {
+            assert_eq!(
+                assert_too_complex(reply, "an identical upload"),
+                first_answer,
+                "upload {index}: the same answer"
+            );
+        }
+        let refused = counter(&app, "stockd_plugin_compiles_total", r#"result="refused""#).await - refused_before;
+        assert_eq!(refused, 1.0, "the one compile was refused");
+        return;
     }
-    assert_eq!(compilers.peak().await, 1, "one compiler child at a time, for the one compile");
-    let compiles = counter(&app, "stockd_plugin_compiles_total", "").await - compiles_before;
-    let refused = counter(&app, "stockd_plugin_compiles_total", r#"result="refused""#).await - refused_before;
-    assert_eq!((compiles, refused), (1.0, 1.0), "four identical uploads make one (refused) compile");
 }
 
 /// Proves no more compiles run at once than `max_concurrent_compiles` (1 here): two tenants
