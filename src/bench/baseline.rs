@@ -295,12 +295,7 @@ where
             })
         })
         .collect();
-    let mut total = Stats::default();
-    for h in handles {
-        total.merge(h.await.context("baseline task")?);
-    }
-    total.elapsed = started.elapsed();
-    Ok(total)
+    Stats::joined(handles, started).await
 }
 
 // ---- SQLite -------------------------------------------------------------------------------

@@ -382,12 +382,7 @@ pub async fn run(t: &Arc<Target>, w: Workload, clients: usize, limit: Limit) -> 
     let stop = Stop::start(limit);
     let handles: Vec<_> =
         (0..clients).map(|task| tokio::spawn(client_loop(t.clone(), w, task, stop.clone()))).collect();
-    let mut total = Stats::default();
-    for h in handles {
-        total.merge(h.await.context("a bench client task failed")?);
-    }
-    total.elapsed = started.elapsed();
-    Ok(total)
+    Stats::joined(handles, started).await
 }
 
 /// `clients` closed loops of orders until `limit`, each order the body `body(idem)` makes for its
@@ -423,12 +418,7 @@ pub async fn run_one_piece_orders(
             })
         })
         .collect();
-    let mut total = Stats::default();
-    for h in handles {
-        total.merge(h.await.context("a bench client task failed")?);
-    }
-    total.elapsed = started.elapsed();
-    Ok(total)
+    Stats::joined(handles, started).await
 }
 
 /// Checks the workload's resources and the tenant's reconciliation over HTTP; returns the

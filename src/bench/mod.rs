@@ -40,7 +40,7 @@ pub mod storage;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::Serialize;
@@ -158,6 +158,16 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// The merged stats of client tasks, with the wall time since `started`.
+    async fn joined(handles: Vec<tokio::task::JoinHandle<Stats>>, started: Instant) -> anyhow::Result<Stats> {
+        let mut total = Stats::default();
+        for h in handles {
+            total.merge(h.await.context("a bench client task failed")?);
+        }
+        total.elapsed = started.elapsed();
+        Ok(total)
+    }
+
     fn merge(&mut self, other: Stats) {
         self.latencies_us.extend(other.latencies_us);
         self.requests += other.requests;

@@ -269,11 +269,7 @@ async fn join(
     tenant: &mut Tenant,
     measured_from: Instant,
 ) -> anyhow::Result<Stats> {
-    let mut total = Stats::default();
-    for h in handles {
-        total.merge(h.await.context("a bench client task failed")?);
-    }
-    total.elapsed = measured_from.elapsed();
+    let total = Stats::joined(handles, measured_from).await?;
     tenant.consumed_expected += total.consumed_expected;
     Ok(total)
 }

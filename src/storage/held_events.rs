@@ -17,15 +17,9 @@ use std::future::Future;
 use crate::events::NewEvent;
 use crate::storage::StorageError;
 
-/// An event of the batch attempt.
-#[derive(Debug)]
-pub(crate) struct Held {
-    pub(crate) event: NewEvent,
-}
-
 tokio::task_local! {
     /// The events a batch attempt emitted so far, in the order emitted.
-    static WRITTEN: RefCell<Vec<Held>>;
+    static WRITTEN: RefCell<Vec<NewEvent>>;
 }
 
 /// Runs a batch attempt with an empty list of held events.
@@ -36,13 +30,13 @@ pub(crate) fn scope<F: Future>(attempt: F) -> impl Future<Output = F::Output> {
 /// Holds events the current batch attempt emitted (in its transaction) until it seals.
 pub(crate) fn hold(events: &[NewEvent]) -> Result<(), StorageError> {
     WRITTEN
-        .try_with(|w| w.borrow_mut().extend(events.iter().map(|e| Held { event: e.clone() })))
+        .try_with(|w| w.borrow_mut().extend_from_slice(events))
         .map_err(|_| StorageError::Internal("an event was written outside a batch".into()))
 }
 
 /// The payload of an event the current attempt holds (not inserted yet), by its id.
 pub(crate) fn held_data(id: &str) -> Option<String> {
-    WRITTEN.try_with(|w| w.borrow().iter().find(|h| h.event.id == id).map(|h| h.event.data.clone())).ok().flatten()
+    WRITTEN.try_with(|w| w.borrow().iter().find(|e| e.id == id).map(|e| e.data.clone())).ok().flatten()
 }
 
 /// Where the attempt's events stand (before a job's savepoint).
@@ -57,6 +51,6 @@ pub(crate) fn rollback_to(mark: usize) {
 
 /// Takes the attempt's held events to insert them: a seal that fails fails its attempt, and a
 /// rerun starts from an empty list.
-pub(crate) fn take() -> Vec<Held> {
+pub(crate) fn take() -> Vec<NewEvent> {
     WRITTEN.try_with(|w| std::mem::take(&mut *w.borrow_mut())).unwrap_or_default()
 }

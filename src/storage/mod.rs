@@ -139,13 +139,16 @@ impl StoredResponse {
     }
 
     /// A record's response from its columns as read through [`outcome_columns!`] (the body
-    /// joined from its event where the record points at one); `None`: the record is claimed by
-    /// a write that has not answered yet.
+    /// joined from its event where the record points at one, or, for a record this batch wrote
+    /// beside an event it has not inserted yet, that held event's payload); `None`: the record
+    /// is claimed by a write that has not answered yet.
     pub fn from_columns(
         code: Option<i64>,
         kind: Option<&str>,
         body: Option<String>,
+        event: Option<&str>,
     ) -> Result<Option<Self>, StorageError> {
+        let body = body.or_else(|| event.and_then(held_events::held_data));
         match (code, kind, body) {
             (Some(code), Some(kind), Some(body)) => Self::from_db(code, kind, body).map(Some),
             // Answered, and its event is gone: only a record past its retention, which the
@@ -185,7 +188,7 @@ pub const EVENTS_OUTLIVE_RECORDS: std::time::Duration = std::time::Duration::fro
 /// response_body, response_event`. Followed by a `WHERE` (or a further `JOIN`) on `i`. A record
 /// this transaction wrote may name an event it still holds in memory (the server-database
 /// backends insert a batch's events at its end): `response_body` is then NULL and
-/// `held_events::held_data` has the body.
+/// [`StoredResponse::from_columns`] finds the body among the held events.
 #[macro_export]
 macro_rules! outcome_columns {
     () => {

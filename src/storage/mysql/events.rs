@@ -17,7 +17,7 @@ pub(crate) async fn seal(conn: &mut MySqlConnection) -> Result<Vec<String>, sqlx
     }
     let mut counts: BTreeMap<&str, i64> = BTreeMap::new();
     for h in &held {
-        *counts.entry(h.event.tenant.as_str()).or_default() += 1;
+        *counts.entry(h.tenant.as_str()).or_default() += 1;
     }
     // One upsert in tenant order: the rows are locked (and held to COMMIT) in that order.
     let sql = format!(
@@ -52,19 +52,19 @@ pub(crate) async fn seal(conn: &mut MySqlConnection) -> Result<Vec<String>, sqlx
     );
     let mut insert = sqlx::query(&sql);
     for h in &held {
-        let seq = next.get_mut(h.event.tenant.as_str()).map(|n| {
+        let seq = next.get_mut(h.tenant.as_str()).map(|n| {
             *n += 1;
             *n - 1
         });
         insert = insert
-            .bind(&h.event.id)
-            .bind(&h.event.tenant)
+            .bind(&h.id)
+            .bind(&h.tenant)
             .bind(seq)
-            .bind(h.event.kind.as_str())
-            .bind(&h.event.ordering_key)
-            .bind(h.event.at)
-            .bind(&h.event.data);
+            .bind(h.kind.as_str())
+            .bind(&h.ordering_key)
+            .bind(h.at)
+            .bind(&h.data);
     }
     insert.execute(&mut *conn).await?;
-    Ok(held.iter().map(|h| h.event.kind.as_str().to_string()).collect())
+    Ok(held.iter().map(|h| h.kind.as_str().to_string()).collect())
 }

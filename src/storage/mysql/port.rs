@@ -49,12 +49,8 @@ pub(super) fn tuples(n: usize, group: usize) -> String {
 pub(super) fn stored_response(row: &MySqlRow) -> Result<Option<StoredResponse>, StorageError> {
     let code: Option<i32> = row.try_get("response_code")?;
     let kind = row.opt_text("response_type")?;
-    let mut body = row.opt_text("response_body")?;
-    if body.is_none() {
-        // Written by this transaction beside an event it has not inserted yet.
-        body = row.opt_text("response_event")?.and_then(|id| crate::storage::held_events::held_data(&id));
-    }
-    StoredResponse::from_columns(code.map(i64::from), kind.as_deref(), body)
+    let event = row.opt_text("response_event")?;
+    StoredResponse::from_columns(code.map(i64::from), kind.as_deref(), row.opt_text("response_body")?, event.as_deref())
 }
 
 /// The guarded UPDATE of a change, in the shared `$n` form: `$1` quantity, `$2` time, `$3`

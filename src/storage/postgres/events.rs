@@ -3,7 +3,8 @@
 
 use sqlx::PgConnection;
 
-use crate::storage::held_events::{self, Held};
+use crate::events::NewEvent;
+use crate::storage::held_events;
 
 /// Inserts the events the attempt emitted, numbered in the order emitted, and returns their
 /// types: each tenant's sequence is bumped by its count (tenants in one order, so two sealing
@@ -13,7 +14,7 @@ pub(crate) async fn seal(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::E
     if held.is_empty() {
         return Ok(Vec::new());
     }
-    fn col<U>(held: &[Held], f: impl Fn(&Held) -> U) -> Vec<U> {
+    fn col<U>(held: &[NewEvent], f: impl Fn(&NewEvent) -> U) -> Vec<U> {
         held.iter().map(f).collect()
     }
     sqlx::query_scalar(
@@ -34,12 +35,12 @@ pub(crate) async fn seal(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::E
          ORDER BY m.n
          RETURNING type",
     )
-    .bind(col(&held, |h| h.event.id.clone()))
-    .bind(col(&held, |h| h.event.tenant.clone()))
-    .bind(col(&held, |h| h.event.kind.as_str()))
-    .bind(col(&held, |h| h.event.ordering_key.clone()))
-    .bind(col(&held, |h| h.event.at))
-    .bind(col(&held, |h| h.event.data.clone()))
+    .bind(col(&held, |h| h.id.clone()))
+    .bind(col(&held, |h| h.tenant.clone()))
+    .bind(col(&held, |h| h.kind.as_str()))
+    .bind(col(&held, |h| h.ordering_key.clone()))
+    .bind(col(&held, |h| h.at))
+    .bind(col(&held, |h| h.data.clone()))
     .fetch_all(conn)
     .await
 }

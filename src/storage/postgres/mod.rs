@@ -420,15 +420,13 @@ impl Storage for PgStorage {
         idem: &IdempotencyRequest,
     ) -> Result<Option<Idempotent>, StorageError> {
         let mut conn = acquire(&self.pool).await?;
-        // Read outside any write: a record's event is committed with it (the fifth column, the
-        // event's id, is only for reads inside a write).
         let row: Option<(String, i32, String, Option<String>, Option<String>)> = sqlx::query_as(STORED_OUTCOME_SQL)
             .bind(tenant.as_str())
             .bind(idem.key.as_str())
             .fetch_optional(&mut *conn)
             .await?;
-        let Some((hash, code, kind, body, _)) = row else { return Ok(None) };
-        let response = super::StoredResponse::from_columns(Some(i64::from(code)), Some(&kind), body)?;
+        let Some((hash, code, kind, body, event)) = row else { return Ok(None) };
+        let response = super::StoredResponse::from_columns(Some(i64::from(code)), Some(&kind), body, event.as_deref())?;
         Ok(response.map(|response| idem.judge(&hash, response)))
     }
 

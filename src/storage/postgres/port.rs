@@ -38,13 +38,12 @@ fn corrupt(what: &str) -> StorageError {
 pub(super) fn stored_response(row: &PgRow) -> Result<Option<StoredResponse>, StorageError> {
     let code: Option<i32> = row.try_get("response_code")?;
     let kind: Option<&str> = row.try_get("response_type")?;
-    let mut body: Option<String> = row.try_get("response_body")?;
-    if body.is_none() {
-        // Written by this transaction beside an event it has not inserted yet.
-        let event: Option<&str> = row.try_get("response_event")?;
-        body = event.and_then(crate::storage::held_events::held_data);
-    }
-    StoredResponse::from_columns(code.map(i64::from), kind, body)
+    StoredResponse::from_columns(
+        code.map(i64::from),
+        kind,
+        row.try_get("response_body")?,
+        row.try_get("response_event")?,
+    )
 }
 
 /// A guarded UPDATE and its ledger row in one statement. `$1` quantity, `$2` time, `$3` tenant,

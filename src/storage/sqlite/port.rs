@@ -167,11 +167,14 @@ impl<'c> SqlitePort<'c> {
                     row.get::<_, i64>(1)?,
                     row.get::<_, String>(2)?,
                     row.get::<_, Option<String>>(3)?,
+                    row.get::<_, Option<String>>(4)?,
                 ))
             })
             .optional()?;
-        let Some((hash, code, kind, body)) = row else { return Ok(None) };
-        let Some(response) = StoredResponse::from_columns(Some(code), Some(&kind), body)? else { return Ok(None) };
+        let Some((hash, code, kind, body, event)) = row else { return Ok(None) };
+        let Some(response) = StoredResponse::from_columns(Some(code), Some(&kind), body, event.as_deref())? else {
+            return Ok(None);
+        };
         Ok(Some(idem.judge(&hash, response)))
     }
 
