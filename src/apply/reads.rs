@@ -61,10 +61,12 @@ pub trait Reads: Port {
     /// What a per-user limit key has used so far (0 if never).
     async fn limit_used(&mut self, tenant: &str, key: &str) -> Result<i64, StorageError>;
     /// Everything reconciliation judges, for one tenant or all. An incremental pass sums, for
-    /// each resource (bucket), only the ledger rows whose `version_after` is past its
-    /// checkpoint's version, through the index on `(tenant, resource, bucket, version_after)`.
-    /// The version is the watermark, not `seq`: it is written under the row's lock, so the
-    /// entries of one row commit in version order whatever order `seq` was handed out in.
+    /// each resource (bucket), only the ledger rows whose `seq` is past its checkpoint's, through
+    /// the index on `(tenant, resource, seq)`. Across rows `seq` is not in commit order (on
+    /// PostgreSQL and MySQL transactions take their numbers before they commit), but every entry
+    /// of one row (bucket) takes its number after its change took the row's lock and commits
+    /// before the lock is let go: one row's entries commit in `seq` order, so no entry can later
+    /// appear below a checkpoint that a snapshot proved.
     async fn ledger_rows(&mut self, tenant: Option<&str>, pass: Pass) -> Result<LedgerRows, StorageError>;
 }
 

@@ -188,17 +188,22 @@ pub struct NewestEntry {
     pub tenant: String,
     pub key: String,
     pub bucket: i64,
+    /// Its `seq`: where the next pass starts once this entry is folded into a checkpoint.
+    pub seq: i64,
     pub after: [i64; 3],
 }
 
 /// What a resource (bucket) was proven to be at `counters.version`: its ledger entries up to
-/// that version replay to `counters`, and the newest of them records them. A pass replays only
-/// the entries after it.
+/// that version replay to `counters`, and the newest of them (`seq`, 0: none) records them. A
+/// pass replays only the entries after `seq`: every entry of one row (bucket) is written under
+/// that row's lock, after its change, so its entries take their `seq`s in the order they commit
+/// and none can land below a checkpoint later.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Checkpoint {
     pub tenant: String,
     pub key: String,
     pub bucket: i64,
+    pub seq: i64,
     pub counters: Counters,
 }
 
@@ -255,6 +260,14 @@ pub fn reconcile(
         Pass::Incremental => known.clone(),
         Pass::Full => HashMap::new(),
     };
+    // The newest entry folded so far: this pass's newest, else (nothing new) the checkpoint's.
+    let mut folded: HashMap<(&str, &str, i64), i64> = match pass {
+        Pass::Incremental => {
+            checkpoints.iter().map(|c| ((c.tenant.as_str(), c.key.as_str(), c.bucket), c.seq)).collect()
+        }
+        Pass::Full => HashMap::new(),
+    };
+    folded.extend(newest.iter().map(|n| ((n.tenant.as_str(), n.key.as_str(), n.bucket), n.seq)));
     let mut expected = base.clone();
     let mut ledger_rows_read = 0u64;
     for s in sums {
@@ -272,7 +285,8 @@ pub fn reconcile(
         let clean = want == have && last_matches;
         let known = known.get(&id);
         if clean && known != Some(&have) {
-            update.advance.push(Checkpoint { tenant: tenant.into(), key: key.into(), bucket, counters: have });
+            let seq = folded.get(&id).copied().unwrap_or(0);
+            update.advance.push(Checkpoint { tenant: tenant.into(), key: key.into(), bucket, seq, counters: have });
         } else if !clean && known.is_some() {
             update.forget.push((tenant.into(), key.into(), bucket));
         }
@@ -363,6 +377,7 @@ mod tests {
             tenant: "t".into(),
             key: format!("k{n}"),
             bucket: 0,
+            seq: n,
             counters: Counters { version: n + 1, ..Counters::default() },
         };
         let update = CheckpointUpdate {

@@ -220,14 +220,17 @@ pub fn newest_entry(row: &dyn Columns) -> Result<NewestEntry, StorageError> {
         tenant: row.text("tenant_id")?,
         key: row.text("resource_key")?,
         bucket: row.int("bucket")?,
+        seq: row.int("seq")?,
         after: [row.int("available_after")?, row.int("reserved_after")?, row.int("consumed_after")?],
     })
 }
 
 /// The rows reconciliation judges the ledger against, as the CTE `w (tenant_id, resource_key,
 /// bucket, since)`: every single-bucket resource (as bucket 0) and every bucket row, of the
-/// tenant bound to `tenant_param` (`?1`, `$1`) or of all, each with the version its entries are
-/// summed after: its checkpoint's in an incremental pass, 0 in a full one.
+/// tenant bound to `tenant_param` (`?1`, `$1`) or of all, each with the `seq` its entries are
+/// summed after: its checkpoint's in an incremental pass, 0 in a full one. Read through
+/// `ledger_by_resource (tenant_id, resource_key, seq)`, a bucket's entries filtered from its
+/// resource's range.
 pub fn reconciliation_targets(tenant_param: Option<&str>, pass: Pass) -> String {
     let (only, and_only) = match tenant_param {
         Some(p) => (format!("WHERE tenant_id = {p}"), format!("AND tenant_id = {p}")),
@@ -235,7 +238,7 @@ pub fn reconciliation_targets(tenant_param: Option<&str>, pass: Pass) -> String 
     };
     let since = match pass {
         Pass::Incremental => {
-            "COALESCE((SELECT c.version FROM ledger_checkpoints c WHERE c.tenant_id = t.tenant_id
+            "COALESCE((SELECT c.seq FROM ledger_checkpoints c WHERE c.tenant_id = t.tenant_id
                  AND c.resource_key = t.resource_key AND c.bucket = t.bucket), 0)"
         }
         Pass::Full => "0",
@@ -251,7 +254,8 @@ pub fn reconciliation_targets(tenant_param: Option<&str>, pass: Pass) -> String 
 }
 
 /// The checkpoint columns every backend selects.
-pub const CHECKPOINT_COLUMNS: &str = "tenant_id, resource_key, bucket, version, available, reserved, consumed, total";
+pub const CHECKPOINT_COLUMNS: &str =
+    "tenant_id, resource_key, bucket, seq, version, available, reserved, consumed, total";
 
 /// A reconciliation checkpoint selected as [`CHECKPOINT_COLUMNS`].
 pub fn checkpoint(row: &dyn Columns) -> Result<Checkpoint, StorageError> {
@@ -259,6 +263,7 @@ pub fn checkpoint(row: &dyn Columns) -> Result<Checkpoint, StorageError> {
         tenant: row.text("tenant_id")?,
         key: row.text("resource_key")?,
         bucket: row.int("bucket")?,
+        seq: row.int("seq")?,
         counters: Counters {
             available: row.int("available")?,
             reserved: row.int("reserved")?,

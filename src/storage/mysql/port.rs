@@ -1012,12 +1012,13 @@ impl Port for MyPort<'_> {
         let keep = |col: &str| format!("{col} = IF(VALUES(version) >= version, VALUES({col}), {col})");
         let head = format!(
             "INSERT INTO ledger_checkpoints (tenant_id, resource_key, bucket, version, available, reserved, consumed,
-                                             total) VALUES {} ON DUPLICATE KEY UPDATE {}, {}, {}, {}, {}",
-            tuples(sorted.len(), 8),
+                                             total, seq) VALUES {} ON DUPLICATE KEY UPDATE {}, {}, {}, {}, {}, {}",
+            tuples(sorted.len(), 9),
             keep("available"),
             keep("reserved"),
             keep("consumed"),
             keep("total"),
+            keep("seq"),
             "version = GREATEST(version, VALUES(version))"
         );
         let mut query = sqlx::query(&head);
@@ -1030,7 +1031,8 @@ impl Port for MyPort<'_> {
                 .bind(c.counters.available)
                 .bind(c.counters.reserved)
                 .bind(c.counters.consumed)
-                .bind(c.counters.total);
+                .bind(c.counters.total)
+                .bind(c.seq);
         }
         query.execute(&mut *self.conn).await?;
         Ok(())
@@ -1149,13 +1151,13 @@ impl Reads for MyPort<'_> {
 
 /// The five queries of reconciliation (in the shared `$n` form): resources, checkpoints, per-op
 /// ledger sums, newest entries, buckets; for one tenant (`$1`) or for all. MariaDB has no
-/// LATERAL: the sums join each target's range of `ledger_by_version`, and the newest entry of a
-/// target is the one at the largest version in its range.
+/// LATERAL: the sums join each target's range of `ledger_by_resource` (after its checkpoint's
+/// `seq`), and the newest entry of a target is the one at the largest `seq` in its range.
 fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
     let only = if one_tenant { "WHERE tenant_id = $1" } else { "" };
     let targets = rows::reconciliation_targets(one_tenant.then_some("$1"), pass);
-    let range = "l.tenant_id = w.tenant_id AND l.resource_key = w.resource_key AND l.bucket = w.bucket
-                 AND l.version_after > w.since";
+    let range = "l.tenant_id = w.tenant_id AND l.resource_key = w.resource_key AND l.seq > w.since
+                 AND l.bucket = w.bucket";
     [
         format!("SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources {only} ORDER BY tenant_id, key"),
         format!("SELECT {CHECKPOINT_COLUMNS} FROM ledger_checkpoints {only}"),
@@ -1167,11 +1169,11 @@ fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
         ),
         format!(
             "{targets}, m AS (
-                 SELECT w.tenant_id, w.resource_key, w.bucket, MAX(l.version_after) AS version
+                 SELECT w.tenant_id, w.resource_key, w.bucket, MAX(l.seq) AS seq
                  FROM w JOIN ledger l ON {range} GROUP BY w.tenant_id, w.resource_key, w.bucket)
-             SELECT m.tenant_id, m.resource_key, m.bucket, l.available_after, l.reserved_after, l.consumed_after
-             FROM m JOIN ledger l ON l.tenant_id = m.tenant_id AND l.resource_key = m.resource_key
-                  AND l.bucket = m.bucket AND l.version_after = m.version"
+             SELECT m.tenant_id, m.resource_key, m.bucket, l.seq, l.available_after, l.reserved_after,
+                    l.consumed_after
+             FROM m JOIN ledger l ON l.seq = m.seq"
         ),
         format!("SELECT {BUCKET_COLUMNS} FROM resource_buckets {only} ORDER BY tenant_id, resource_key, bucket"),
     ]

@@ -944,12 +944,12 @@ impl Port for PgPort<'_> {
         let col = |f: fn(&Checkpoint) -> i64| sorted.iter().map(|c| f(c)).collect::<Vec<i64>>();
         sqlx::query(
             "INSERT INTO ledger_checkpoints AS c
-                 (tenant_id, resource_key, bucket, version, available, reserved, consumed, total)
+                 (tenant_id, resource_key, bucket, version, available, reserved, consumed, total, seq)
              SELECT * FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[],
-                                  $7::bigint[], $8::bigint[])
+                                  $7::bigint[], $8::bigint[], $9::bigint[])
              ON CONFLICT (tenant_id, resource_key, bucket) DO UPDATE SET version = excluded.version,
                  available = excluded.available, reserved = excluded.reserved, consumed = excluded.consumed,
-                 total = excluded.total
+                 total = excluded.total, seq = excluded.seq
              WHERE excluded.version >= c.version",
         )
         .bind(sorted.iter().map(|c| c.tenant.clone()).collect::<Vec<_>>())
@@ -960,6 +960,7 @@ impl Port for PgPort<'_> {
         .bind(col(|c| c.counters.reserved))
         .bind(col(|c| c.counters.consumed))
         .bind(col(|c| c.counters.total))
+        .bind(col(|c| c.seq))
         .execute(&mut *self.conn)
         .await?;
         Ok(())
@@ -1086,14 +1087,14 @@ impl Reads for PgPort<'_> {
 
 /// The five queries of reconciliation: resources, checkpoints, per-op ledger sums, newest
 /// entries, buckets; for one tenant (`$1`) or for all. The ledger is read per resource (bucket)
-/// as one range of `ledger_by_version` (a LATERAL subquery, so the planner cannot turn it into a
-/// scan of the whole ledger): after its checkpoint's version in an incremental pass, from the
+/// as one range of `ledger_by_resource` (a LATERAL subquery, so the planner cannot turn it into a
+/// scan of the whole ledger): after its checkpoint's `seq` in an incremental pass, from the
 /// start in a full one.
 fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
     let only = if one_tenant { "WHERE tenant_id = $1" } else { "" };
     let targets = rows::reconciliation_targets(one_tenant.then_some("$1"), pass);
-    let range = "l.tenant_id = w.tenant_id AND l.resource_key = w.resource_key AND l.bucket = w.bucket
-                 AND l.version_after > w.since";
+    let range = "l.tenant_id = w.tenant_id AND l.resource_key = w.resource_key AND l.seq > w.since
+                 AND l.bucket = w.bucket";
     [
         format!(
             "SELECT tenant_id, {RESOURCE_COLUMNS} FROM resources {only}
@@ -1109,10 +1110,11 @@ fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
         ),
         format!(
             "{targets}
-             SELECT w.tenant_id, w.resource_key, w.bucket, n.available_after, n.reserved_after, n.consumed_after
+             SELECT w.tenant_id, w.resource_key, w.bucket, n.seq, n.available_after, n.reserved_after,
+                    n.consumed_after
              FROM w CROSS JOIN LATERAL (
-                 SELECT l.available_after, l.reserved_after, l.consumed_after FROM ledger l WHERE {range}
-                 ORDER BY l.version_after DESC LIMIT 1
+                 SELECT l.seq, l.available_after, l.reserved_after, l.consumed_after FROM ledger l WHERE {range}
+                 ORDER BY l.seq DESC LIMIT 1
              ) n"
         ),
         format!("SELECT {BUCKET_COLUMNS} FROM resource_buckets {only} ORDER BY tenant_id, resource_key, bucket"),

@@ -15,6 +15,11 @@ static MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite
 
 /// Applies every migration not yet recorded.
 pub fn run(conn: &mut Connection) -> Result<(), StorageError> {
+    run_through(conn, i64::MAX)
+}
+
+/// Applies every migration not yet recorded up to version `last`.
+fn run_through(conn: &mut Connection, last: i64) -> Result<(), StorageError> {
     let failed = |why: String| StorageError::Internal(format!("migration failed: {why}"));
     conn.execute_batch(
         "CREATE TABLE IF NOT EXISTS _sqlx_migrations (
@@ -35,7 +40,7 @@ pub fn run(conn: &mut Connection) -> Result<(), StorageError> {
             applied.insert(version, record);
         }
     }
-    for migration in MIGRATIONS.iter().filter(|m| !m.migration_type.is_down_migration()) {
+    for migration in MIGRATIONS.iter().filter(|m| !m.migration_type.is_down_migration() && m.version <= last) {
         match applied.get(&migration.version) {
             Some((false, _)) => {
                 return Err(failed(format!("migration {} was left half-applied", migration.version)));
@@ -79,6 +84,57 @@ mod tests {
             conn.query_row("SELECT COUNT(*) FROM _sqlx_migrations WHERE success", [], |r| r.get(0)).expect("count");
         assert_eq!(recorded as usize, MIGRATIONS.iter().count());
         conn.query_row("SELECT COUNT(*) FROM resources", [], |r| r.get::<_, i64>(0)).expect("the schema exists");
+    }
+
+    /// Proves the move of reconciliation's watermark from versions to `seq` (0017) keeps each
+    /// checkpoint where it was: at the newest entry of its row (bucket) up to its version,
+    /// whatever other rows' entries lie between.
+    #[test]
+    fn checkpoints_move_to_the_seq_of_the_newest_entry_they_folded() {
+        let (_dir, mut conn) = fresh();
+        run_through(&mut conn, 16).expect("migrations up to 0016");
+        let entry = |seq: i64, key: &str, bucket: i64, version: i64| {
+            format!(
+                "INSERT INTO ledger (seq, tenant_id, resource_key, bucket, op, qty, request_id, available_after,
+                                     reserved_after, consumed_after, version_after, at)
+                 VALUES ({seq}, 'shop', '{key}', {bucket}, 'deduct', 1, 'req_{seq}', 0, 0, 0, {version}, 0);"
+            )
+        };
+        let mut sql = String::new();
+        // Two rows' entries interleaved; `a` bucket 0 checkpointed at version 2, bucket 1 at 1,
+        // `b` at 3 (its newest), `c` at a version with no entry yet written.
+        for (seq, key, bucket, version) in [
+            (10, "a", 0, 1),
+            (11, "b", 0, 1),
+            (12, "a", 0, 2),
+            (13, "a", 1, 1),
+            (14, "b", 0, 2),
+            (15, "a", 0, 3),
+            (16, "b", 0, 3),
+        ] {
+            sql.push_str(&entry(seq, key, bucket, version));
+        }
+        sql.push_str(
+            "INSERT INTO ledger_checkpoints (tenant_id, resource_key, bucket, version, available, reserved, consumed, total)
+             VALUES ('shop', 'a', 0, 2, 0, 0, 0, 0), ('shop', 'a', 1, 1, 0, 0, 0, 0), ('shop', 'b', 0, 3, 0, 0, 0, 0),
+                    ('shop', 'c', 0, 1, 0, 0, 0, 0);",
+        );
+        conn.execute_batch(&sql).expect("ledger and checkpoints");
+        run(&mut conn).expect("the rest");
+        let mut statement = conn
+            .prepare("SELECT resource_key, bucket, seq FROM ledger_checkpoints ORDER BY resource_key, bucket")
+            .expect("select");
+        let seqs: Vec<(String, i64, i64)> = statement
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .expect("rows")
+            .collect::<rusqlite::Result<_>>()
+            .expect("checkpoints");
+        let want = [("a", 0, 12), ("a", 1, 13), ("b", 0, 16), ("c", 0, 0)];
+        assert_eq!(seqs, want.map(|(k, b, s)| (k.to_string(), b, s)).to_vec());
+        let index: i64 = conn
+            .query_row("SELECT COUNT(*) FROM sqlite_schema WHERE name = 'ledger_by_version'", [], |r| r.get(0))
+            .expect("schema");
+        assert_eq!(index, 0, "the version index is gone");
     }
 
     #[test]

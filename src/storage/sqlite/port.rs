@@ -796,8 +796,8 @@ impl Port for SqlitePort<'_> {
         order_id: &str,
         limit: u32,
     ) -> Result<Vec<OrderEntries>, StorageError> {
-        // Without statistics SQLite reads the tenant's whole ledger through `ledger_by_version`,
-        // whose order suits the GROUP BY, instead of the order's few rows: named here.
+        // Without statistics SQLite may read the tenant's whole ledger through an index whose order
+        // suits the GROUP BY (`ledger_by_resource`) instead of the order's few rows: named here.
         let sql = rows::ORDER_ENTRIES_SQL
             .replace('$', "?")
             .replace("FROM ledger WHERE", "FROM ledger INDEXED BY ledger_by_order WHERE");
@@ -834,7 +834,8 @@ impl Port for SqlitePort<'_> {
                 n.available,
                 n.reserved,
                 n.consumed,
-                n.total
+                n.total,
+                c.seq
             ])?;
         }
         Ok(())
@@ -854,11 +855,12 @@ impl Port for SqlitePort<'_> {
 /// A checkpoint replaces the stored one unless that one is newer (a slower pass of another
 /// process, or of this one, must not move it back).
 const ADVANCE_CHECKPOINT: &str =
-    "INSERT INTO ledger_checkpoints (tenant_id, resource_key, bucket, version, available, reserved, consumed, total)
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+    "INSERT INTO ledger_checkpoints (tenant_id, resource_key, bucket, version, available, reserved, consumed, total,
+                                     seq)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
      ON CONFLICT (tenant_id, resource_key, bucket) DO UPDATE SET version = excluded.version,
          available = excluded.available, reserved = excluded.reserved, consumed = excluded.consumed,
-         total = excluded.total
+         total = excluded.total, seq = excluded.seq
      WHERE excluded.version >= ledger_checkpoints.version";
 
 impl Reads for SqlitePort<'_> {
@@ -936,7 +938,7 @@ impl Reads for SqlitePort<'_> {
 
 /// The five queries of reconciliation: resources, checkpoints, per-op ledger sums, newest
 /// entries, buckets; for one tenant (`?1`) or for all. The ledger is read per resource (bucket)
-/// as one range of `ledger_by_version`: after its checkpoint's version in an incremental pass,
+/// as one range of `ledger_by_resource`: after its checkpoint's `seq` in an incremental pass,
 /// from the start in a full one.
 fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
     let only = if one_tenant { "WHERE tenant_id = ?1" } else { "" };
@@ -948,18 +950,19 @@ fn ledger_rows_sql(one_tenant: bool, pass: Pass) -> [String; 5] {
             "{targets}
              SELECT w.tenant_id, w.resource_key, w.bucket, l.op, SUM(l.qty) AS qty, COUNT(*) AS n
              FROM w JOIN ledger l
-               ON l.tenant_id = w.tenant_id AND l.resource_key = w.resource_key AND l.bucket = w.bucket
-              AND l.version_after > w.since
+               ON l.tenant_id = w.tenant_id AND l.resource_key = w.resource_key AND l.seq > w.since
+              AND l.bucket = w.bucket
              GROUP BY w.tenant_id, w.resource_key, w.bucket, l.op"
         ),
         format!(
             "{targets}
-             SELECT w.tenant_id, w.resource_key, w.bucket, l.available_after, l.reserved_after, l.consumed_after
+             SELECT w.tenant_id, w.resource_key, w.bucket, l.seq, l.available_after, l.reserved_after,
+                    l.consumed_after
              FROM w JOIN ledger l ON l.seq = (
                  SELECT x.seq FROM ledger x
-                 WHERE x.tenant_id = w.tenant_id AND x.resource_key = w.resource_key AND x.bucket = w.bucket
-                   AND x.version_after > w.since
-                 ORDER BY x.version_after DESC LIMIT 1)"
+                 WHERE x.tenant_id = w.tenant_id AND x.resource_key = w.resource_key AND x.seq > w.since
+                   AND x.bucket = w.bucket
+                 ORDER BY x.seq DESC LIMIT 1)"
         ),
         format!("SELECT {BUCKET_COLUMNS} FROM resource_buckets {only} ORDER BY tenant_id, resource_key, bucket"),
     ]
@@ -1004,8 +1007,8 @@ mod tests {
 
     /// Proves an incremental pass reads each resource's (bucket's) ledger from its checkpoint
     /// on: SQLite searches the ledger (for the sums and for the newest entry) only as a range of
-    /// `ledger_by_version` after the watermark, `version_after>?`, never the whole ledger of a
-    /// resource or of the tenant.
+    /// `ledger_by_resource` after the watermark, `seq>?`, never the whole ledger of a resource or
+    /// of the tenant.
     #[test]
     fn an_incremental_pass_reads_the_ledger_after_each_watermark_only() {
         let dir = tempfile::tempdir().expect("a temporary directory");
@@ -1019,9 +1022,8 @@ mod tests {
                 plan.iter().filter(|step| matches!(step.split(' ').nth(1), Some("l" | "x"))).collect();
             assert!(!ledger.is_empty(), "{sql}\nreads no ledger: {plan:?}");
             for step in &ledger {
-                let ranged = step.starts_with("SEARCH")
-                    && step.contains("ledger_by_version")
-                    && step.contains("version_after>?");
+                let ranged =
+                    step.starts_with("SEARCH") && step.contains("ledger_by_resource") && step.contains("seq>?");
                 let by_seq = step.contains("INTEGER PRIMARY KEY (rowid=?)");
                 assert!(ranged || by_seq, "{sql}\nreads the ledger otherwise than after the watermark: {plan:?}");
             }
