@@ -37,16 +37,3 @@ pub fn init_metrics() -> anyhow::Result<PrometheusHandle> {
     });
     Ok(handle)
 }
-
-/// Caps glibc's malloc at one arena (threads still keep their own small caches). With one arena per thread that allocates (tokio workers,
-/// the writer, the checkpointer, sqlx's threads), memory freed by one thread is kept by its
-/// arena and the server's RSS climbed ~8 MiB per 70,000 orders without bound (254 MiB after a
-/// full `stockd bench`); with one it levels off at ~40 MiB, and throughput did not drop.
-pub fn limit_malloc_arenas() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets an allocator parameter; called at start-up, before the
-    // process allocates from many threads.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-    }
-}
