@@ -1,9 +1,16 @@
 //! The `stockd` binary; everything lives in the library.
 
-/// mimalloc: per-thread heaps that take back what other threads free, so RSS stays bounded
-/// without funnelling every thread through one lock (glibc's malloc needed one arena for that).
+/// jemalloc: per-thread caches over a few arenas, dirty pages given back to the system over
+/// time by a background thread, so RSS stays bounded without funnelling every thread through
+/// one lock (glibc's malloc needed a single arena for that).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// jemalloc's settings, read at its start: a background thread purges unused dirty pages
+/// (after 1 s) so memory freed after a burst leaves the process.
+#[allow(non_upper_case_globals)]
+#[export_name = "_rjem_malloc_conf"]
+pub static malloc_conf: &[u8] = b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0\0";
 
 fn main() -> std::process::ExitCode {
     // A plugin compiler child (see `plugin::compile`) does its one job before any runtime or

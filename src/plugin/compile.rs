@@ -205,9 +205,6 @@ impl Compiler {
             .arg(out)
             // The child needs nothing from the server's environment (which may hold secrets).
             .env_clear()
-            // The allocator (src/main.rs) reserves address space 1 GiB at a time by default,
-            // beyond `RLIMIT_AS` below; in small steps the limit is what the compile may use.
-            .env("MIMALLOC_ARENA_RESERVE", "8MiB")
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
