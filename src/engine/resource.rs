@@ -256,36 +256,38 @@ pub fn reconcile(
     use std::collections::HashMap;
     let known: HashMap<(&str, &str, i64), Counters> =
         checkpoints.iter().map(|c| ((c.tenant.as_str(), c.key.as_str(), c.bucket), c.counters)).collect();
-    let base = match pass {
+    let mut expected = match pass {
         Pass::Incremental => known.clone(),
         Pass::Full => HashMap::new(),
     };
-    // The newest entry folded so far: this pass's newest, else (nothing new) the checkpoint's.
-    let mut folded: HashMap<(&str, &str, i64), i64> = match pass {
-        Pass::Incremental => {
-            checkpoints.iter().map(|c| ((c.tenant.as_str(), c.key.as_str(), c.bucket), c.seq)).collect()
-        }
-        Pass::Full => HashMap::new(),
-    };
-    folded.extend(newest.iter().map(|n| ((n.tenant.as_str(), n.key.as_str(), n.bucket), n.seq)));
-    let mut expected = base.clone();
     let mut ledger_rows_read = 0u64;
     for s in sums {
         ledger_rows_read = ledger_rows_read.saturating_add(u64::try_from(s.count).unwrap_or(0));
         expected.entry((s.tenant.as_str(), s.key.as_str(), s.bucket)).or_default().apply(s.op, s.qty, s.count);
     }
-    let mut last: HashMap<(&str, &str, i64), [i64; 3]> =
-        base.iter().map(|(id, c)| (*id, [c.available, c.reserved, c.consumed])).collect();
-    last.extend(newest.iter().map(|n| ((n.tenant.as_str(), n.key.as_str(), n.bucket), n.after)));
+    // The newest entry replayed so far, `(seq, counters after it)`: this pass's newest, else
+    // (nothing new) the one its checkpoint folded last. Its seq is where the next pass starts.
+    let mut last: HashMap<(&str, &str, i64), (i64, [i64; 3])> = match pass {
+        Pass::Incremental => checkpoints
+            .iter()
+            .map(|c| {
+                let n = &c.counters;
+                ((c.tenant.as_str(), c.key.as_str(), c.bucket), (c.seq, [n.available, n.reserved, n.consumed]))
+            })
+            .collect(),
+        Pass::Full => HashMap::new(),
+    };
+    last.extend(newest.iter().map(|n| ((n.tenant.as_str(), n.key.as_str(), n.bucket), (n.seq, n.after))));
     let mut update = CheckpointUpdate::default();
     let mut judge = |tenant: &str, key: &str, bucket: i64, have: Counters| {
         let id = (tenant, key, bucket);
         let want = expected.get(&id).copied().unwrap_or_default();
-        let last_matches = last.get(&id) == Some(&[have.available, have.reserved, have.consumed]);
+        let last = last.get(&id);
+        let last_matches = last.map(|(_, after)| after) == Some(&[have.available, have.reserved, have.consumed]);
         let clean = want == have && last_matches;
         let known = known.get(&id);
         if clean && known != Some(&have) {
-            let seq = folded.get(&id).copied().unwrap_or(0);
+            let seq = last.map_or(0, |(seq, _)| *seq);
             update.advance.push(Checkpoint { tenant: tenant.into(), key: key.into(), bucket, seq, counters: have });
         } else if !clean && known.is_some() {
             update.forget.push((tenant.into(), key.into(), bucket));
