@@ -30,6 +30,7 @@ mod plugin_new;
 mod plugin_runtimes;
 mod plugins;
 mod procfs;
+mod query_plans;
 mod rate_limits;
 mod reconciliation;
 mod redis_fencing;

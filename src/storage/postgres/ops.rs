@@ -118,8 +118,11 @@ pub async fn ensure_config_tenant(
 pub async fn purge_idempotency(conn: &mut PgConnection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
     purge(
         conn,
+        // Oldest first, which also makes the plan walk `idempotency_by_age` from its start
+        // whatever the statistics say, rather than read the table until it finds old rows.
         "DELETE FROM idempotency WHERE (tenant_id, key) IN
-           (SELECT tenant_id, key FROM idempotency WHERE created_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
+           (SELECT tenant_id, key FROM idempotency WHERE created_at < $1 ORDER BY created_at LIMIT $2
+            FOR UPDATE SKIP LOCKED)",
         before_ms,
         limit,
     )

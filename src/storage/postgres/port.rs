@@ -465,14 +465,18 @@ impl Port for PgPort<'_> {
     /// Each resource row is locked, in the batches' global order, so no batch deducts from its
     /// buckets meanwhile.
     async fn uneven_resources(&mut self, limit: u32) -> Result<Vec<(String, String)>, StorageError> {
+        // From the buckets' rows to each resource's, looked up by key in the candidates' order:
+        // a filter on `resources.buckets` would read every resource, bucketed or not, each run.
         let rows = sqlx::query(
-            "SELECT r.tenant_id, r.key FROM resources r
-             WHERE r.buckets > 1 AND EXISTS (
-                 SELECT 1 FROM resource_buckets b WHERE b.tenant_id = r.tenant_id AND b.resource_key = r.key
-                 GROUP BY b.tenant_id, b.resource_key HAVING MAX(b.available) - MIN(b.available) > 1)
-             ORDER BY r.tenant_id COLLATE \"C\", r.key COLLATE \"C\"
-             LIMIT $1
-             FOR UPDATE OF r SKIP LOCKED",
+            "SELECT r.tenant_id, r.key
+             FROM (SELECT b.tenant_id, b.resource_key FROM resource_buckets b
+                   GROUP BY b.tenant_id, b.resource_key HAVING MAX(b.available) - MIN(b.available) > 1
+                   ORDER BY b.tenant_id COLLATE \"C\", b.resource_key COLLATE \"C\"
+                   LIMIT $1) u
+             CROSS JOIN LATERAL (
+                 SELECT r.tenant_id, r.key FROM resources r
+                 WHERE r.tenant_id = u.tenant_id AND r.key = u.resource_key AND r.buckets > 1
+                 FOR UPDATE SKIP LOCKED) r",
         )
         .bind(i64::from(limit))
         .fetch_all(&mut *self.conn)
