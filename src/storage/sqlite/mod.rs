@@ -3,6 +3,7 @@
 //! (or plain SQL in [`ops`] for tenants, keys and plugins); reads run on read-only connections
 //! beside it ([`readers`]), most over the same port. sqlx only applies the migrations at start.
 
+mod library;
 pub mod migrate;
 pub mod ops;
 pub mod port;
@@ -167,6 +168,8 @@ impl SqliteStorage {
 
 /// The writer's own connection, with the same durability settings as the pool.
 fn open_writer(path: &Path, settings: &SqliteSettings) -> Result<rusqlite::Connection, StorageError> {
+    // The first connection this process opens: SQLite's own settings go first.
+    library::configure();
     let conn = rusqlite::Connection::open(path)?;
     conn.busy_timeout(settings.busy_timeout)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;

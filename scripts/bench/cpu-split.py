@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Where a scenario's CPU goes, per order: the server's threads by role, the load generator, the
+database server, Redis, and the machine as a whole, from /proc around each load.
+
+Usage:
+  cpu-split.py BINARY BENCH_ARGS...       runs `BINARY bench BENCH_ARGS --json F` with this script
+                                          as its load hooks, then prints the table
+  cpu-split.py snap before|after STATE    (the hooks; STOCKD_BENCH_SCENARIO names the scenario)
+
+Columns are CPU microseconds (user + system) per successful operation over the load alone:
+`http` is the server's Tokio workers (HTTP, JSON, auth, plan calls into the plugin pool when a
+plugin runs inline, storage clients, Redis calls), `writer` the SQLite writer thread, `plan` the
+plugin threads, `ckpt` SQLite's checkpoint thread, `other` the server's remaining threads; `load`
+the bench process (the load generator); `db` every PostgreSQL or MariaDB process, `redis` the
+Redis server; `rest` whatever else the machine ran (kernel threads, interrupts, other
+processes); `busy` the machine's busy share of all its cores over the load."""
+import json, os, subprocess, sys, tempfile, time
+
+HZ = os.sysconf("SC_CLK_TCK")
+
+
+def stat_fields(path):
+    with open(path) as f:
+        raw = f.read()
+    # comm may hold spaces and parentheses: split after its last ')'.
+    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+    rest = raw[raw.rindex(")") + 2 :].split()
+    # rest[0] is field 3 (state); utime, stime are fields 14, 15.
+    return comm, int(rest[1]), int(rest[11]) + int(rest[12])
+
+
+def children(pid):
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            _, ppid, _ = stat_fields(f"/proc/{p}/stat")
+        except (OSError, ValueError):
+            continue
+        if ppid == pid:
+            out.append(int(p))
+    return out
+
+
+def thread_role(comm):
+    if comm.startswith("tokio-r"):
+        return "http"
+    if comm == "stockd-writer":
+        return "writer"
+    if comm.startswith("stockd-plan"):
+        return "plan"
+    if comm.startswith("stockd-checkpoi"):
+        return "ckpt"
+    return "other"
+
+
+def snapshot():
+    bench = os.getppid()
+    # The hook runs under `sh -c`: the bench is the shell's parent.
+    try:
+        _, bench, _ = stat_fields(f"/proc/{bench}/stat")
+    except OSError:
+        pass
+    server = [c for c in children(bench) if "serve" in open(f"/proc/{c}/cmdline").read().split("\0")]
+    parts = {}
+
+    def add(k, ticks):
+        parts[k] = parts.get(k, 0) + ticks
+
+    for pid in server:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                comm, _, ticks = stat_fields(f"/proc/{pid}/task/{t}/stat")
+            except OSError:
+                continue
+            add(thread_role(comm), ticks)
+            add("comm:" + comm, ticks)
+    # The bench's own threads, minus its children (the server is counted above).
+    try:
+        for t in os.listdir(f"/proc/{bench}/task"):
+            add("load", stat_fields(f"/proc/{bench}/task/{t}/stat")[2])
+    except OSError:
+        pass
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            comm, _, ticks = stat_fields(f"/proc/{p}/stat")
+        except (OSError, ValueError):
+            continue
+        if comm.startswith("postgres") or comm in ("mariadbd", "mysqld"):
+            add("db", ticks)
+        elif comm.startswith("redis-server"):
+            add("redis", ticks)
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal
+    parts["machine_busy"] = sum(cpu[:3]) + sum(cpu[5:8])
+    parts["machine_all"] = sum(cpu[:8])
+    # Exited processes (PostgreSQL backends that ended) are not counted; the bench keeps its
+    # connections, so under load there are none.
+    return {"t": time.monotonic(), "ticks": parts}
+
+
+def snap(which, state):
+    scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")
+    with open(state, "a") as f:
+        f.write(json.dumps({"which": which, "scenario": scenario, **snapshot()}) + "\n")
+
+
+COLS = ["http", "writer", "plan", "ckpt", "other", "load", "db", "redis", "rest"]
+
+
+def report(state, results):
+    snaps = [json.loads(line) for line in open(state)]
+    ok = {r["scenario"]: r for r in results}
+    print(f"{'scenario':22s} {'ok/s':>7s} {'busy':>5s} " + " ".join(f"{c:>7s}" for c in COLS) + f" {'total':>7s}")
+    for before, after in zip(snaps[0::2], snaps[1::2]):
+        sc = before["scenario"]
+        r = ok.get(sc)
+        if r is None or not r["ok"]:
+            continue
+        d = {k: after["ticks"].get(k, 0) - before["ticks"].get(k, 0) for k in set(after["ticks"]) | set(before["ticks"])}
+        # The load is what lies between the hooks; ok counts exactly it.
+        per = lambda ticks: ticks / HZ * 1e6 / r["ok"]
+        known = sum(d.get(c, 0) for c in COLS if c != "rest")
+        d["rest"] = max(0, d["machine_busy"] - known)
+        busy = d["machine_busy"] / max(d["machine_all"], 1) * 100 * os.cpu_count()
+        total = per(d["machine_busy"])
+        print(f"{sc:22s} {r['ok_per_sec']:7.0f} {busy:4.0f}% " + " ".join(f"{per(d.get(c, 0)):7.1f}" for c in COLS)
+              + f" {total:7.1f}")
+
+
+def main():
+    if len(sys.argv) >= 4 and sys.argv[1] == "snap":
+        snap(sys.argv[2], sys.argv[3])
+        return
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    binary, args = sys.argv[1], sys.argv[2:]
+    state = tempfile.mktemp(suffix=".cpu")
+    out = tempfile.mktemp(suffix=".json")
+    me = os.path.abspath(__file__)
+    cmd = [binary, "bench", *args, "--json", out,
+           "--exec-before-load", f"python3 {me} snap before {state}",
+           "--exec-after-load", f"python3 {me} snap after {state}"]
+    subprocess.run(cmd, check=True)
+    report(state, json.load(open(out)))
+
+
+if __name__ == "__main__":
+    main()
