@@ -72,6 +72,10 @@ pub(crate) trait SqlBackend: Send + Sync + 'static {
 
     /// Inserts the attempt's held events numbered ([`held_events`]); last before COMMIT.
     fn seal<'a>(conn: &'a mut Conn<Self>) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>>;
+
+    /// The statement that opens a batch's transaction, when not a plain `BEGIN`: it may set
+    /// what holds for the transaction alone, in the same round trip.
+    const BEGIN: Option<&'static str> = None;
 }
 
 /// Longest a batch attempt may take once it has its connection. A healthy batch takes
@@ -446,7 +450,11 @@ async fn attempt<B: SqlBackend>(
 ) -> Result<(), BatchFailure> {
     // sqlx's transaction guards roll back whatever is left open if this returns early (or is
     // dropped), before the connection can serve anyone else.
-    let mut tx = conn.begin().await.map_err(BatchFailure::of)?;
+    let mut tx = match B::BEGIN {
+        Some(statement) => conn.begin_with(statement).await,
+        None => conn.begin().await,
+    }
+    .map_err(BatchFailure::of)?;
     if let Err(why) = lock_and_admit::<B>(&mut tx, batch, rows, admission).await {
         // Best effort: if the connection is gone, the server has rolled back already.
         let _ = tx.rollback().await;

@@ -61,6 +61,18 @@ impl SqlBackend for Pg {
     fn seal<'a>(conn: &'a mut PgConnection) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
         Box::pin(super::events::seal(conn))
     }
+
+    /// Every statement of a batch is planned for its arguments (the arrays' real lengths) and
+    /// the tables as they are now. PostgreSQL would otherwise settle on a generic plan after five
+    /// executions and keep it until the tables' statistics change (ANALYZE): a plan chosen while
+    /// a fresh database's tables were nearly empty joins the batch's arrays to `idempotency`,
+    /// `resources` and `reservations` by reading them whole, and goes on doing so, every batch,
+    /// as they grow (tests/api/query_plans.rs). Planning costs a batch far less than one such
+    /// read. Only the batch: the reads outside it are single-row lookups by primary key, whose
+    /// generic plans are right at any size and whose planning would double their cost (a sale
+    /// in redis mode reads its key's outcome: 92 -> 196 us of PostgreSQL CPU per sale with
+    /// every connection planning each time).
+    const BEGIN: Option<&'static str> = Some("BEGIN; SET LOCAL plan_cache_mode = force_custom_plan");
 }
 
 /// Locks the declared resource rows in one global order and returns them as they are now (for

@@ -99,17 +99,7 @@ async fn connect(settings: &PgSettings) -> Result<PgPool, StorageError> {
         // If this process loses the database mid-transaction (partition, freeze), the server
         // ends the session, and releases its row locks for the other processes, once it has
         // waited this long for our next statement; a live batch sends them back to back.
-        .options([
-            ("idle_in_transaction_session_timeout", format!("{}ms", ATTEMPT_DEADLINE.as_millis())),
-            // Every execution is planned for its own arguments and the tables as they are now.
-            // PostgreSQL would otherwise settle on a generic plan after five executions and keep
-            // it until the tables' statistics change (ANALYZE): a plan chosen while a fresh
-            // database's tables were nearly empty joins the batch's arrays to `idempotency` and
-            // `resources` by scanning them whole, and goes on doing so, every batch, as they grow
-            // (tests/api/query_plans.rs). Planning a batch's statements costs far less than one
-            // such scan.
-            ("plan_cache_mode", "force_custom_plan".to_owned()),
-        ]);
+        .options([("idle_in_transaction_session_timeout", format!("{}ms", ATTEMPT_DEADLINE.as_millis()))]);
     Ok(PgPoolOptions::new()
         .max_connections(settings.max_connections.max(1))
         .acquire_timeout(settings.acquire_timeout)
