@@ -14,7 +14,7 @@ plugin threads, `ckpt` SQLite's checkpoint thread, `other` the server's remainin
 the bench process (the load generator); `db` every PostgreSQL or MariaDB process, `redis` the
 Redis server; `rest` whatever else the machine ran (kernel threads, interrupts, other
 processes); `busy` the machine's busy share of all its cores over the load."""
-import json, os, subprocess, sys, tempfile, time
+import json, os, subprocess, sys, tempfile
 
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -29,18 +29,16 @@ def stat_fields(path):
     return comm, int(rest[1]), int(rest[11]) + int(rest[12])
 
 
-def children(pid):
-    out = []
+def processes():
+    """(pid, comm, ppid, ticks) of every process readable now."""
     for p in os.listdir("/proc"):
         if not p.isdigit():
             continue
         try:
-            _, ppid, _ = stat_fields(f"/proc/{p}/stat")
+            comm, ppid, ticks = stat_fields(f"/proc/{p}/stat")
         except (OSError, ValueError):
             continue
-        if ppid == pid:
-            out.append(int(p))
-    return out
+        yield int(p), comm, ppid, ticks
 
 
 def thread_role(comm):
@@ -62,37 +60,30 @@ def snapshot():
         _, bench, _ = stat_fields(f"/proc/{bench}/stat")
     except OSError:
         pass
-    server = [c for c in children(bench) if "serve" in open(f"/proc/{c}/cmdline").read().split("\0")]
     parts = {}
 
     def add(k, ticks):
         parts[k] = parts.get(k, 0) + ticks
 
-    for pid in server:
-        for t in os.listdir(f"/proc/{pid}/task"):
-            try:
-                comm, _, ticks = stat_fields(f"/proc/{pid}/task/{t}/stat")
-            except OSError:
-                continue
-            add(thread_role(comm), ticks)
-            add("comm:" + comm, ticks)
-    # The bench's own threads, minus its children (the server is counted above).
+    for pid, comm, ppid, ticks in processes():
+        if comm.startswith("postgres") or comm in ("mariadbd", "mysqld"):
+            add("db", ticks)
+        elif comm.startswith("redis-server"):
+            add("redis", ticks)
+        elif ppid == bench and "serve" in open(f"/proc/{pid}/cmdline").read().split("\0"):
+            # The server the bench started: its threads by role.
+            for t in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    thread, _, spent = stat_fields(f"/proc/{pid}/task/{t}/stat")
+                except OSError:
+                    continue
+                add(thread_role(thread), spent)
+    # The bench's own threads (the load generator); its children are counted above.
     try:
         for t in os.listdir(f"/proc/{bench}/task"):
             add("load", stat_fields(f"/proc/{bench}/task/{t}/stat")[2])
     except OSError:
         pass
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            comm, _, ticks = stat_fields(f"/proc/{p}/stat")
-        except (OSError, ValueError):
-            continue
-        if comm.startswith("postgres") or comm in ("mariadbd", "mysqld"):
-            add("db", ticks)
-        elif comm.startswith("redis-server"):
-            add("redis", ticks)
     with open("/proc/stat") as f:
         cpu = [int(x) for x in f.readline().split()[1:]]
     # user nice system idle iowait irq softirq steal
@@ -100,13 +91,13 @@ def snapshot():
     parts["machine_all"] = sum(cpu[:8])
     # Exited processes (PostgreSQL backends that ended) are not counted; the bench keeps its
     # connections, so under load there are none.
-    return {"t": time.monotonic(), "ticks": parts}
+    return parts
 
 
 def snap(which, state):
     scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")
     with open(state, "a") as f:
-        f.write(json.dumps({"which": which, "scenario": scenario, **snapshot()}) + "\n")
+        f.write(json.dumps({"which": which, "scenario": scenario, "ticks": snapshot()}) + "\n")
 
 
 COLS = ["http", "writer", "plan", "ckpt", "other", "load", "db", "redis", "rest"]
