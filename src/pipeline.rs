@@ -15,7 +15,8 @@
 //!   busy plan pool, a refusal of the route) is given only after the stored outcome was looked
 //!   up, and loses to it;
 //! - an order routed to Redis is looked up before Redis decides (Redis's record of a key is per
-//!   resource, and knows nothing of a key first used on the database path);
+//!   resource, and knows nothing of a key first used on the database path); on PostgreSQL the
+//!   lookups waiting together share one statement ([`crate::storage::lookups`]);
 //! - an order that reaches the database commit is judged by the claim of its key inside that
 //!   commit, before any business write; the claim also settles races between concurrent first
 //!   uses. A separate read before it would find nothing more and cost a read per order: a

@@ -5,6 +5,7 @@
 
 pub(crate) mod batcher;
 pub(crate) mod held_events;
+pub(crate) mod lookups;
 pub mod mysql;
 pub mod postgres;
 pub mod redis_store;
@@ -29,7 +30,7 @@ use crate::problem::Problem;
 use crate::ratelimit::RateLimit;
 
 /// A failure of the storage layer itself (not a business outcome).
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StorageError {
     /// The database could not be reached or refused for a passing reason (busy, connection
     /// lost, serialization failure); nothing was applied and the client may retry.

@@ -164,6 +164,86 @@ async fn redis_mode_replays_return_the_first_outcome() {
     assert_eq!(entries_with_op(&shop.assert_ledger_replays_to_state("sku-1").await, "deduct").len(), 2);
 }
 
+/// Two tenants sell under the same idempotency keys, Redis forgets every request record, and
+/// then each key's replay, a mismatched reuse of half of them and new sales all arrive at once:
+/// the database answers each from its own tenant's record (on PostgreSQL the lookups that wait
+/// together are read by one statement), byte for byte, and only the new keys sell.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_arriving_together_get_their_own_tenants_answer() {
+    const KEYS: usize = 30;
+    let (app, prefix) = redis_app(&shared_redis_url(), "").await;
+    let shops = [app.create_tenant("shop-a").await, app.create_tenant("shop-b").await];
+    // The same order ids and keys in both tenants; the quantities tell the tenants apart.
+    let qty = |t: usize| t as i64 + 1;
+    let mut first: Vec<Vec<String>> = vec![Vec::new(), Vec::new()];
+    for (t, shop) in shops.iter().enumerate() {
+        create_redis_resource(shop, "sku-1", 1_000).await;
+        for i in 0..KEYS {
+            let reply = shop.order(&format!("k{i}"), &deduct_one(&format!("O-{i}"), "sku-1", qty(t), None)).await;
+            reply.expect_json(201);
+            first[t].push(reply.text.clone());
+        }
+    }
+    for (t, shop) in shops.iter().enumerate() {
+        wait_settled(shop, "sku-1", KEYS as i64 * qty(t)).await;
+    }
+    // Redis forgets the requests (as after a data loss): every replay is the database's to answer.
+    let mut redis = redis_conn(&shared_redis_url()).await;
+    for tenant in ["shop-a", "shop-b"] {
+        let keys: Vec<String> = (0..KEYS).map(|i| format!("{prefix}:{{{tenant}:sku-1}}:q:k{i}")).collect();
+        let deleted: usize = redis::cmd("DEL").arg(&keys).query_async(&mut redis).await.expect("DEL works");
+        assert_eq!(deleted, KEYS, "one request record per key");
+    }
+
+    // What each request sends, and what it must get: Some(first answer) for a replay, None for
+    // a mismatch (422), and a new sale for a new key.
+    let mut asks: Vec<(usize, String, Value, Option<Option<String>>)> = Vec::new();
+    for (t, answers) in first.iter().enumerate() {
+        for (i, answer) in answers.iter().enumerate() {
+            let body = deduct_one(&format!("O-{i}"), "sku-1", qty(t), None);
+            asks.push((t, format!("k{i}"), body, Some(Some(answer.clone()))));
+            if i % 2 == 0 {
+                // The other tenant's request under this tenant's key.
+                let other = deduct_one(&format!("O-{i}"), "sku-1", qty(1 - t), None);
+                asks.push((t, format!("k{i}"), other, Some(None)));
+            }
+        }
+        for i in 0..10 {
+            asks.push((t, format!("new-{i}"), deduct_one(&format!("N-{i}"), "sku-1", qty(t), None), None));
+        }
+    }
+    let barrier = Arc::new(Barrier::new(asks.len()));
+    let replies = asks.iter().map(|(t, key, body, _)| {
+        let (shop, barrier, key, body) = (shops[*t].clone(), barrier.clone(), key.clone(), body.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            shop.order(&key, &body).await
+        })
+    });
+    let replies: Vec<Reply> = join_all(replies).await.into_iter().map(|r| r.expect("no panic")).collect();
+    for ((t, key, _, want), reply) in asks.iter().zip(&replies) {
+        match want {
+            Some(Some(answer)) => assert_eq!(
+                (reply.status(), reply.text.as_str(), reply.replayed()),
+                (201, answer.as_str(), true),
+                "tenant {t}, key {key}"
+            ),
+            Some(None) => {
+                assert_problem(reply, 422, "idempotency_key_mismatch");
+            }
+            None => {
+                let doc = reply.expect_json(201);
+                assert!(!reply.replayed(), "tenant {t}, new key {key}: {doc}");
+            }
+        }
+    }
+    for (t, shop) in shops.iter().enumerate() {
+        let report = wait_settled(shop, "sku-1", (KEYS as i64 + 10) * qty(t)).await;
+        assert_in_line(&report, "sku-1");
+        assert_eq!(entries_with_op(&shop.assert_ledger_replays_to_state("sku-1").await, "deduct").len(), KEYS + 10);
+    }
+}
+
 /// A settlement consumer that read entries and died before settling them (kill -9 while the
 /// database could not commit) leaves them pending; the process that comes next reclaims them
 /// (XAUTOCLAIM), reads the rest, and applies each of the 10 sales exactly once.

@@ -63,7 +63,47 @@ use crate::engine::{
 };
 use crate::events::{Event, EventType};
 use crate::ratelimit::RateLimit;
-use crate::storage::redis_store::STORED_OUTCOME_SQL;
+use crate::storage::lookups::{Found, Lookups, ReadGroup};
+
+/// How many groups of stored outcomes are read at once (each holds a pooled connection).
+const LOOKUP_READERS: usize = 2;
+
+/// The stored outcomes of a group of `(tenant, key)` pairs, `n` the pair's place (from 1).
+const STORED_OUTCOMES_SQL: &str = concat!(
+    "SELECT k.n, ",
+    crate::outcome_columns!(),
+    " JOIN UNNEST($1::text[], $2::text[]) WITH ORDINALITY AS k (tenant_id, key, n)
+       ON i.tenant_id = k.tenant_id AND i.key = k.key
+     WHERE i.response_code IS NOT NULL"
+);
+
+/// A row of [`STORED_OUTCOMES_SQL`]: the pair's place, then the record's columns.
+type OutcomeRow = (i64, String, i32, String, Option<String>, Option<String>);
+
+/// Reads a group of stored outcomes ([`super::lookups`]) in one statement, on the connections
+/// of [`lookup_pool`].
+fn read_stored_outcomes(pool: PgPool) -> ReadGroup {
+    Arc::new(move |keys: Vec<(String, String)>| {
+        let pool = pool.clone();
+        Box::pin(async move {
+            let n = keys.len();
+            let (tenants, keys): (Vec<String>, Vec<String>) = keys.into_iter().unzip();
+            let mut conn = acquire(&pool).await?;
+            let rows: Vec<OutcomeRow> =
+                sqlx::query_as(STORED_OUTCOMES_SQL).bind(tenants).bind(keys).fetch_all(&mut *conn).await?;
+            let mut found: Vec<Found> = (0..n).map(|_| Ok(None)).collect();
+            for (at, hash, code, kind, body, event) in rows {
+                let slot = usize::try_from(at - 1).ok().and_then(|i| found.get_mut(i));
+                let Some(slot) = slot else {
+                    return Err(StorageError::Internal(format!("a group of {n} lookups read place {at}")));
+                };
+                *slot = super::StoredResponse::from_columns(Some(i64::from(code)), Some(&kind), body, event.as_deref())
+                    .map(|response| response.map(|response| (hash, response)));
+            }
+            Ok(found)
+        })
+    })
+}
 
 /// How the PostgreSQL backend is opened.
 #[derive(Debug, Clone)]
@@ -87,24 +127,42 @@ pub struct PgStorage {
     /// Taken by `close`, which makes the batcher drain its queue and stop.
     queue: Mutex<Option<mpsc::Sender<Box<dyn Queued<Pg>>>>>,
     batcher: Mutex<Option<JoinHandle<()>>>,
+    /// Stored outcomes read in groups ([`super::lookups`]), on connections of their own.
+    lookups: Lookups,
+    lookup_pool: PgPool,
 }
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
 
-async fn connect(settings: &PgSettings) -> Result<PgPool, StorageError> {
-    let options = PgConnectOptions::from_str(&settings.url)
+fn connect_options(settings: &PgSettings) -> Result<PgConnectOptions, StorageError> {
+    Ok(PgConnectOptions::from_str(&settings.url)
         .map_err(|e| StorageError::Internal(format!("bad PostgreSQL URL: {e}")))?
         .application_name("stockd")
         .log_statements(tracing::log::LevelFilter::Trace)
         // If this process loses the database mid-transaction (partition, freeze), the server
         // ends the session, and releases its row locks for the other processes, once it has
         // waited this long for our next statement; a live batch sends them back to back.
-        .options([("idle_in_transaction_session_timeout", format!("{}ms", ATTEMPT_DEADLINE.as_millis()))]);
+        .options([("idle_in_transaction_session_timeout", format!("{}ms", ATTEMPT_DEADLINE.as_millis()))]))
+}
+
+async fn connect(settings: &PgSettings) -> Result<PgPool, StorageError> {
     Ok(PgPoolOptions::new()
         .max_connections(settings.max_connections.max(1))
         .acquire_timeout(settings.acquire_timeout)
-        .connect_with(options)
+        .connect_with(connect_options(settings)?)
         .await?)
+}
+
+/// The connections of the grouped lookups ([`read_stored_outcomes`]), one per reader, opened
+/// when first needed. Their statements are prepared once and planned at each execution for the
+/// keys and the tables as they are then: a plan kept from a nearly empty database would scan
+/// the whole idempotency table once it has grown (see `SqlBackend::BEGIN`).
+fn lookup_pool(settings: &PgSettings) -> Result<PgPool, StorageError> {
+    let options = connect_options(settings)?.options([("plan_cache_mode", "force_custom_plan")]);
+    Ok(PgPoolOptions::new()
+        .max_connections(LOOKUP_READERS as u32)
+        .acquire_timeout(settings.acquire_timeout)
+        .connect_lazy_with(options))
 }
 
 /// A pooled connection, or `Unavailable` if none comes within `acquire_timeout`. Any failure
@@ -129,7 +187,9 @@ impl PgStorage {
         run_migrations(&pool).await?;
         let (tx, rx) = mpsc::channel(settings.writer.queue_depth.max(1));
         let batcher = tokio::spawn(run_batcher(pool.clone(), rx, settings.writer, settings.max_retries));
-        Ok(Self { pool, queue: Mutex::new(Some(tx)), batcher: Mutex::new(Some(batcher)) })
+        let lookup_pool = lookup_pool(settings)?;
+        let lookups = Lookups::start(LOOKUP_READERS, read_stored_outcomes(lookup_pool.clone()));
+        Ok(Self { pool, queue: Mutex::new(Some(tx)), batcher: Mutex::new(Some(batcher)), lookups, lookup_pool })
     }
 
     /// Applies migrations and returns, for `stockd migrate`.
@@ -419,15 +479,7 @@ impl Storage for PgStorage {
         tenant: &TenantId,
         idem: &IdempotencyRequest,
     ) -> Result<Option<Idempotent>, StorageError> {
-        let mut conn = acquire(&self.pool).await?;
-        let row: Option<(String, i32, String, Option<String>, Option<String>)> = sqlx::query_as(STORED_OUTCOME_SQL)
-            .bind(tenant.as_str())
-            .bind(idem.key.as_str())
-            .fetch_optional(&mut *conn)
-            .await?;
-        let Some((hash, code, kind, body, event)) = row else { return Ok(None) };
-        let response = super::StoredResponse::from_columns(Some(i64::from(code)), Some(&kind), body, event.as_deref())?;
-        Ok(response.map(|response| idem.judge(&hash, response)))
+        self.lookups.lookup(tenant, idem).await
     }
 
     async fn execute_order(&self, job: Arc<OrderJob>, now_ms: i64) -> Result<OrderExecution, StorageError> {
@@ -681,6 +733,7 @@ impl Storage for PgStorage {
                 tracing::error!(error = %err, "the batcher task failed");
             }
         }
+        self.lookup_pool.close().await;
         self.pool.close().await;
     }
 }
