@@ -121,6 +121,8 @@ pub struct Server {
     child: Option<Child>,
     temp_dir: Option<PathBuf>,
     fresh: Option<FreshDatabase>,
+    /// The Redis and the key prefix of this run's server, whose keys `stop` deletes.
+    redis_keys: Option<(String, String)>,
 }
 
 /// A process's CPU time so far (user + system, µs): fields 14 and 15 of `/proc/<pid>/stat`,
@@ -161,7 +163,7 @@ impl Server {
             bail!("--url must target 127.0.0.1 (got {url})");
         }
         let admin_token = admin_token.context("--url needs --admin-token (or STOCKD_ADMIN_TOKEN)")?;
-        Ok(Self { base, admin_token, pid: None, db: None, child: None, temp_dir: None, fresh: None })
+        Ok(Self { base, admin_token, pid: None, db: None, child: None, temp_dir: None, fresh: None, redis_keys: None })
     }
 
     /// Measures the CPU time and RSS of the process `pid` (an external server's).
@@ -187,8 +189,18 @@ impl Server {
                 (fresh.url.clone(), fresh.access(), None, Some(fresh))
             }
         };
+        // A Redis key prefix of the run's own (unless one is given), deleted with its keys when
+        // the server stops: a fresh database beside another run's Redis keys is not fresh.
+        let redis_keys = match (std::env::var("STOCKD_REDIS_URL"), std::env::var_os("STOCKD_REDIS_PREFIX")) {
+            (Ok(url), None) => Some((url, format!("stockd-bench-{}", random_hex(6)))),
+            _ => None,
+        };
         let exe = std::env::current_exe().context("locating the stockd executable")?;
-        let mut child = Command::new(exe)
+        let mut command = Command::new(exe);
+        if let Some((_, prefix)) = &redis_keys {
+            command.env("STOCKD_REDIS_PREFIX", prefix);
+        }
+        let mut child = command
             .arg("serve")
             .env("STOCKD_LISTEN", "127.0.0.1:0")
             .env("STOCKD_DATABASE_URL", &db_url)
@@ -203,8 +215,16 @@ impl Server {
         let pid = child.id();
         let stdout = child.stdout.take().context("server stdout")?;
         let mut lines = BufReader::new(stdout).lines();
-        let mut server =
-            Self { base: String::new(), admin_token, pid, db: Some(db), child: Some(child), temp_dir, fresh };
+        let mut server = Self {
+            base: String::new(),
+            admin_token,
+            pid,
+            db: Some(db),
+            child: Some(child),
+            temp_dir,
+            fresh,
+            redis_keys,
+        };
         let wait = async {
             while let Some(line) = lines.next_line().await? {
                 if let Some(addr) = line.trim().strip_prefix("listening on ") {
@@ -258,6 +278,40 @@ impl Server {
         if let Some(fresh) = self.fresh.take() {
             fresh.drop_database().await;
         }
+        if let Some((url, prefix)) = self.redis_keys.take() {
+            if tokio::time::timeout(Duration::from_secs(60), delete_keys(&url, &prefix)).await.is_err() {
+                eprintln!("bench: the Redis keys under {prefix}: were not all deleted within 60 s");
+            }
+        }
+    }
+}
+
+/// Deletes every Redis key under `prefix:` (the request records a redis-mode run leaves live
+/// for `idempotency.retention_hours`).
+async fn delete_keys(url: &str, prefix: &str) {
+    let Ok(client) = redis::Client::open(url) else { return };
+    let Ok(mut con) = client.get_multiplexed_async_connection().await else {
+        eprintln!("bench: could not reach Redis to delete the keys under {prefix}:");
+        return;
+    };
+    let mut cursor: u64 = 0;
+    loop {
+        let page: redis::RedisResult<(u64, Vec<String>)> = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}:*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut con)
+            .await;
+        let Ok((next, keys)) = page else { return };
+        if !keys.is_empty() {
+            let _: redis::RedisResult<i64> = redis::cmd("UNLINK").arg(&keys).query_async(&mut con).await;
+        }
+        if next == 0 {
+            return;
+        }
+        cursor = next;
     }
 }
 
