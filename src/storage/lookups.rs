@@ -19,7 +19,7 @@ use super::{IdempotencyRequest, Idempotent, StorageError, StoredResponse};
 use crate::engine::TenantId;
 
 /// The most lookups one statement reads.
-pub(crate) const MAX_GROUP: usize = 256;
+const MAX_GROUP: usize = 256;
 /// Lookups queued beyond this wait to be queued (the request waits, nothing is dropped).
 const QUEUE_DEPTH: usize = 4096;
 
@@ -91,16 +91,12 @@ async fn serve(rx: Arc<Mutex<mpsc::Receiver<Lookup>>>, read: ReadGroup) {
         metrics::histogram!("stockd_lookup_group_size").record(group.len() as f64);
         let keys = group.iter().map(|l| (l.tenant.clone(), l.idem.key.to_string())).collect();
         match read(keys).await {
-            Ok(found) if found.len() == group.len() => {
+            // One answer per lookup, in order (a lookup left without one has its reply dropped,
+            // which answers it `Unavailable`).
+            Ok(found) => {
                 for (lookup, found) in group.into_iter().zip(found) {
                     let judged = found.map(|f| f.map(|(hash, response)| lookup.idem.judge(&hash, response)));
                     let _ = lookup.reply.send(judged);
-                }
-            }
-            Ok(found) => {
-                let why = format!("a group of {} lookups read {} answers", group.len(), found.len());
-                for lookup in group {
-                    let _ = lookup.reply.send(Err(StorageError::Internal(why.clone())));
                 }
             }
             Err(err) => {

@@ -70,8 +70,9 @@ impl SqlBackend for Pg {
     /// as they grow (tests/api/query_plans.rs). Planning costs a batch far less than one such
     /// read. Only the batch: the reads outside it are single-row lookups by primary key, whose
     /// generic plans are right at any size and whose planning would double their cost (a sale
-    /// in redis mode reads its key's outcome: 92 -> 196 us of PostgreSQL CPU per sale with
-    /// every connection planning each time).
+    /// in redis mode read its key's outcome by such a lookup: 92 -> 196 us of PostgreSQL CPU per
+    /// sale with every connection planning each time; those reads are grouped now, on
+    /// connections of their own that plan each group, see `lookup_pool`).
     const BEGIN: Option<&'static str> = Some("BEGIN; SET LOCAL plan_cache_mode = force_custom_plan");
 }
 
