@@ -13,7 +13,13 @@ plugin runs inline, storage clients, Redis calls), `writer` the SQLite writer th
 plugin threads, `ckpt` SQLite's checkpoint thread, `other` the server's remaining threads; `load`
 the bench process (the load generator); `db` every PostgreSQL or MariaDB process, `redis` the
 Redis server; `rest` whatever else the machine ran (kernel threads, interrupts, other
-processes); `busy` the machine's busy share of all its cores over the load."""
+processes); `busy` the machine's busy share of all its cores over the load.
+
+On SQLite a second table gives the writer thread's I/O per operation from
+`/proc/PID/task/TID/io`: read and write system calls (`rd/op`, `wr/op`) and the bytes they
+moved (`rKiB/op`, `wKiB/op`). A WAL frame is two writes (its header and its page), so
+`wr/op` / 2 is about the frames an order dirties; the checkpoints the writer itself runs are in
+the figures. Unlike CPU time these hardly depend on how busy the machine is."""
 import json, os, subprocess, sys, tempfile
 
 HZ = os.sysconf("SC_CLK_TCK")
@@ -78,6 +84,15 @@ def snapshot():
                 except OSError:
                     continue
                 add(thread_role(thread), spent)
+                if thread == "stockd-writer":
+                    try:
+                        with open(f"/proc/{pid}/task/{t}/io") as f:
+                            for line in f:
+                                k, v = line.split(":")
+                                if k in ("syscr", "syscw", "rchar", "wchar"):
+                                    add("io_" + k, int(v))
+                    except OSError:
+                        pass
     # The bench's own threads (the load generator); its children are counted above.
     try:
         for t in os.listdir(f"/proc/{bench}/task"):
@@ -107,6 +122,7 @@ def report(state, results):
     snaps = [json.loads(line) for line in open(state)]
     ok = {r["scenario"]: r for r in results}
     print(f"{'scenario':22s} {'ok/s':>7s} {'busy':>5s} " + " ".join(f"{c:>7s}" for c in COLS) + f" {'total':>7s}")
+    io = []
     for before, after in zip(snaps[0::2], snaps[1::2]):
         sc = before["scenario"]
         r = ok.get(sc)
@@ -121,6 +137,12 @@ def report(state, results):
         total = per(d["machine_busy"])
         print(f"{sc:22s} {r['ok_per_sec']:7.0f} {busy:4.0f}% " + " ".join(f"{per(d.get(c, 0)):7.1f}" for c in COLS)
               + f" {total:7.1f}")
+        if any(k.startswith("io_") for k in d):
+            io.append((sc, {k: d.get(k, 0) / r["ok"] for k in ("io_syscr", "io_syscw", "io_rchar", "io_wchar")}))
+    if io:
+        print(f"\n{'writer I/O':22s} {'rd/op':>7s} {'rKiB/op':>8s} {'wr/op':>7s} {'wKiB/op':>8s}")
+        for sc, v in io:
+            print(f"{sc:22s} {v['io_syscr']:7.2f} {v['io_rchar'] / 1024:8.1f} {v['io_syscw']:7.2f} {v['io_wchar'] / 1024:8.1f}")
 
 
 def main():
