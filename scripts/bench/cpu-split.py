@@ -59,6 +59,16 @@ def thread_role(comm):
     return "other"
 
 
+def thread_io(path):
+    """A thread's read and write system calls and the bytes they moved ({} if unreadable)."""
+    try:
+        with open(path) as f:
+            fields = dict(line.split(":") for line in f)
+    except OSError:
+        return {}
+    return {k: int(fields[k]) for k in ("syscr", "syscw", "rchar", "wchar") if k in fields}
+
+
 def snapshot():
     bench = os.getppid()
     # The hook runs under `sh -c`: the bench is the shell's parent.
@@ -85,14 +95,8 @@ def snapshot():
                     continue
                 add(thread_role(thread), spent)
                 if thread == "stockd-writer":
-                    try:
-                        with open(f"/proc/{pid}/task/{t}/io") as f:
-                            for line in f:
-                                k, v = line.split(":")
-                                if k in ("syscr", "syscw", "rchar", "wchar"):
-                                    add("io_" + k, int(v))
-                    except OSError:
-                        pass
+                    for k, v in thread_io(f"/proc/{pid}/task/{t}/io").items():
+                        add("io_" + k, v)
     # The bench's own threads (the load generator); its children are counted above.
     try:
         for t in os.listdir(f"/proc/{bench}/task"):
