@@ -21,15 +21,20 @@ HEADER = re.compile(r'pwrite64\((\d+), "((?:\\x[0-9a-f]{2})+)"\.*, 24, \d+\) = 2
 SYNC = re.compile(r'f(?:data)?sync\((\d+)\)')
 
 
+def parent(pid):
+    """A process's parent pid (/proc/PID/stat; its name may hold spaces and parentheses)."""
+    with open(f"/proc/{pid}/stat") as f:
+        raw = f.read()
+    return int(raw[raw.rindex(")") + 2:].split()[1])
+
+
 def server_of(bench):
     """The `stockd serve` the bench started (its child)."""
     for p in os.listdir("/proc"):
         if not p.isdigit():
             continue
         try:
-            with open(f"/proc/{p}/stat") as f:
-                raw = f.read()
-            ppid = int(raw[raw.rindex(")") + 2:].split()[1])
+            ppid = parent(p)
             with open(f"/proc/{p}/cmdline") as f:
                 args = f.read().split("\0")
         except (OSError, ValueError):
@@ -42,10 +47,7 @@ def server_of(bench):
 def attach(work):
     """Before the load: strace the writer thread, detached, for STRACE_SECS after a second."""
     scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")
-    with open(f"/proc/{os.getppid()}/stat") as f:
-        raw = f.read()
-    bench = int(raw[raw.rindex(")") + 2:].split()[1])  # the hook runs under `sh -c`
-    server = server_of(bench)
+    server = server_of(parent(os.getppid()))  # the hook runs under `sh -c`, the bench's child
     writer = next((t for t in os.listdir(f"/proc/{server}/task")
                    if open(f"/proc/{server}/task/{t}/comm").read().strip() == "stockd-writer"), None)
     if writer is None:
@@ -60,23 +62,32 @@ def attach(work):
         json.dump(files, f)
     secs = os.environ.get("STRACE_SECS", "2")
     out = f"{work}/{scenario}.strace"
-    subprocess.Popen(["sh", "-c", f"sleep 1; exec timeout -s INT {secs} strace -xx -s 4 -p {writer} "
-                      f"-e trace=pwrite64,fsync,fdatasync -o {out}; "],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True)
-    with open(f"{work}/{scenario}.started", "w") as f:
-        f.write(str(time.time()))
+    tracer = subprocess.Popen(["sh", "-c", f"sleep 1; exec timeout -s INT {secs} strace -xx -s 4 -p {writer} "
+                               f"-e trace=pwrite64,fsync,fdatasync -o {out}"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    with open(f"{work}/{scenario}.tracer", "w") as f:
+        f.write(str(tracer.pid))
+
+
+def running(pid):
+    """Whether a process is still running (a zombie nobody reaped yet has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    return raw[raw.rindex(")") + 2] != "Z"
 
 
 def pages(work):
-    """After the load: wait for the trace to end, then map every page to its b-tree."""
+    """After the load: wait for the trace to end (its process gone), then map every page to
+    its b-tree."""
     scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")
+    tracer = open(f"{work}/{scenario}.tracer").read().strip()
     deadline = time.time() + 30
-    secs = float(os.environ.get("STRACE_SECS", "2"))
-    started = float(open(f"{work}/{scenario}.started").read())
-    while time.time() < started + 1.5 + secs and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(0.5)
+    while running(tracer) and time.time() < deadline:
+        time.sleep(0.1)
     files = json.load(open(f"{work}/{scenario}.fds.json"))
     db = next(p for p in files.values() if p.endswith(".db"))
     out = subprocess.run(["sqlite3", f"file:{db}?mode=ro", "SELECT pageno, name FROM dbstat"],
