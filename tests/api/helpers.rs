@@ -249,8 +249,11 @@ impl AppOptions {
 
 /// A running `stockd` child process with its own temporary directory and database.
 pub struct TestApp {
-    /// `127.0.0.1:PORT` of the current process (changes on `restart()`).
+    /// `127.X.Y.Z:PORT` of the current process (the port changes on `restart()`).
     pub addr: String,
+    /// The loopback address this app's processes listen on, its own for its whole life (see
+    /// [`own_loopback_ip`]).
+    ip: std::net::Ipv4Addr,
     pub admin_token: String,
     pub client: reqwest::Client,
     /// Shared with every `TenantClient`, so they follow the server across restarts.
@@ -288,6 +291,7 @@ pub async fn spawn_app_on(backend: Backend, opts: AppOptions) -> TestApp {
 
     let mut app = TestApp {
         addr: String::new(),
+        ip: own_loopback_ip(),
         admin_token: random_hex_32(),
         client: http_client(),
         base_url: Arc::new(RwLock::new(String::new())),
@@ -301,6 +305,19 @@ pub async fn spawn_app_on(backend: Backend, opts: AppOptions) -> TestApp {
     };
     app.start().await;
     app
+}
+
+/// A loopback address of the whole `127.0.0.0/8` block (Linux answers on every one) that no
+/// other app of this run is likely to have. Tests run side by side, and a test that kills its
+/// server may still have requests under way to the port it had; the kernel hands ports out again,
+/// so on one shared `127.0.0.1` such a request can reach another test's server and take, say, one
+/// of its in-flight permits. On an address of its own, a port reused by another app is another
+/// socket address, and the stray request is refused.
+fn own_loopback_ip() -> std::net::Ipv4Addr {
+    let [a, b, c]: [u8; 3] = rand::random();
+    // Not 127.0.0.0/24 (127.0.0.1 and neighbours, which other programs of the machine use), and
+    // never a .0 or .255 host.
+    std::net::Ipv4Addr::new(127, a.max(1), b, c.clamp(1, 254))
 }
 
 /// A reqwest client that never goes through a proxy and never hangs forever.
@@ -329,7 +346,7 @@ impl TestApp {
             .arg("--config")
             .arg(&self.config_path)
             .current_dir(self.dir.path())
-            .env("STOCKD_LISTEN", "127.0.0.1:0")
+            .env("STOCKD_LISTEN", format!("{}:0", self.ip))
             .env("STOCKD_DATABASE_URL", &self.database_url)
             .env("STOCKD_ADMIN_TOKEN", &self.admin_token)
             .env("RUST_LOG", "warn")
@@ -495,6 +512,7 @@ impl TestApp {
     async fn sibling(&self, dir: TempDir, config_path: PathBuf, opts: AppOptions) -> TestApp {
         let mut sibling = TestApp {
             addr: String::new(),
+            ip: own_loopback_ip(),
             admin_token: self.admin_token.clone(),
             client: http_client(),
             base_url: Arc::new(RwLock::new(String::new())),
