@@ -585,5 +585,6 @@ pub fn writer_limits(batch: &crate::config::BatchConfig) -> sqlite::writer::Writ
         max_batch: batch.max_batch,
         queue_depth: batch.queue_depth,
         max_wait: std::time::Duration::from_micros(batch.max_wait_us),
+        checkpoint_pages: sqlite::writer::CHECKPOINT_PAGES,
     }
 }
