@@ -14,7 +14,9 @@ their mean duration (`stockd_batch_commit_seconds`: from the first statement to 
 WAL checkpoints and `ckpt ms` their mean (`stockd_sqlite_checkpoint_seconds`). A commit's
 duration is what every request of its batch waits on top of queueing, so a few long ones are
 what a p99 is made of. Needs `ss` (iproute2) to find the server's port."""
-import json, os, re, subprocess, sys, tempfile, urllib.request
+import json, os, re, subprocess, sys, urllib.request
+
+import hooked
 
 METRICS = ("stockd_batch_commit_seconds", "stockd_batch_size", "stockd_sqlite_checkpoint_seconds")
 
@@ -95,22 +97,5 @@ def report(state, results):
               f"{ck_n:5.0f} {ck_sum / max(ck_n, 1) * 1000:8.2f}")
 
 
-def main():
-    if len(sys.argv) >= 4 and sys.argv[1] == "snap":
-        snap(sys.argv[2], sys.argv[3])
-        return
-    if len(sys.argv) < 3:
-        sys.exit(__doc__)
-    binary, args = sys.argv[1], sys.argv[2:]
-    state = tempfile.mktemp(suffix=".commits")
-    out = tempfile.mktemp(suffix=".json")
-    me = os.path.abspath(__file__)
-    cmd = [binary, "bench", *args, "--json", out,
-           "--exec-before-load", f"python3 {me} snap before {state}",
-           "--exec-after-load", f"python3 {me} snap after {state}"]
-    subprocess.run(cmd, check=True)
-    report(state, json.load(open(out)))
-
-
 if __name__ == "__main__":
-    main()
+    hooked.main(__file__, __doc__, snap, report)

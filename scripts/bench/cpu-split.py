@@ -20,7 +20,9 @@ On SQLite a second table gives the writer thread's I/O per operation from
 moved (`rKiB/op`, `wKiB/op`). A WAL frame is two writes (its header and its page), so
 `wr/op` / 2 is about the frames an order dirties; the checkpoints the writer itself runs are in
 the figures. Unlike CPU time these hardly depend on how busy the machine is."""
-import json, os, subprocess, sys, tempfile
+import json, os, subprocess, sys
+
+import hooked
 
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -149,22 +151,5 @@ def report(state, results):
             print(f"{sc:22s} {v['io_syscr']:7.2f} {v['io_rchar'] / 1024:8.1f} {v['io_syscw']:7.2f} {v['io_wchar'] / 1024:8.1f}")
 
 
-def main():
-    if len(sys.argv) >= 4 and sys.argv[1] == "snap":
-        snap(sys.argv[2], sys.argv[3])
-        return
-    if len(sys.argv) < 3:
-        sys.exit(__doc__)
-    binary, args = sys.argv[1], sys.argv[2:]
-    state = tempfile.mktemp(suffix=".cpu")
-    out = tempfile.mktemp(suffix=".json")
-    me = os.path.abspath(__file__)
-    cmd = [binary, "bench", *args, "--json", out,
-           "--exec-before-load", f"python3 {me} snap before {state}",
-           "--exec-after-load", f"python3 {me} snap after {state}"]
-    subprocess.run(cmd, check=True)
-    report(state, json.load(open(out)))
-
-
 if __name__ == "__main__":
-    main()
+    hooked.main(__file__, __doc__, snap, report)
