@@ -11,7 +11,9 @@ Columns are CPU microseconds (user + system) per successful operation over the l
 `http` is the server's Tokio workers (HTTP, JSON, auth, plan calls into the plugin pool when a
 plugin runs inline, storage clients, Redis calls), `writer` the SQLite writer thread, `plan` the
 plugin threads, `ckpt` SQLite's checkpoint thread, `other` the server's remaining threads; `load`
-the bench process (the load generator); `db` every PostgreSQL or MariaDB process, `redis` the
+the bench process (the load generator; in a `core-` scenario, the tasks that hand orders to the
+storage core in the bench's own process, whose writer and checkpoint thread count as `writer`
+and `ckpt`); `db` every PostgreSQL or MariaDB process, `redis` the
 Redis server; `rest` whatever else the machine ran (kernel threads, interrupts, other
 processes); `busy` the machine's busy share of all its cores over the load.
 
@@ -99,10 +101,23 @@ def snapshot():
                 if thread == "stockd-writer":
                     for k, v in thread_io(f"/proc/{pid}/task/{t}/io").items():
                         add("io_" + k, v)
-    # The bench's own threads (the load generator); its children are counted above.
+    # The bench's own threads (the load generator, or in a `core-` scenario the tasks feeding
+    # the storage core); its children are counted above. A `core-` scenario's SQLite writer and
+    # checkpoint thread are the bench's: counted under their roles.
+    # The process's own figure keeps the time of threads that have ended (Tokio's blocking
+    # threads come and go); the sum of the live ones would not.
     try:
+        load = stat_fields(f"/proc/{bench}/stat")[2]
         for t in os.listdir(f"/proc/{bench}/task"):
-            add("load", stat_fields(f"/proc/{bench}/task/{t}/stat")[2])
+            thread, _, spent = stat_fields(f"/proc/{bench}/task/{t}/stat")
+            role = thread_role(thread)
+            if role in ("writer", "ckpt"):
+                add(role, spent)
+                load -= spent
+            if thread == "stockd-writer":
+                for k, v in thread_io(f"/proc/{bench}/task/{t}/io").items():
+                    add("io_" + k, v)
+        add("load", load)
     except OSError:
         pass
     with open("/proc/stat") as f:

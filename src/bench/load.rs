@@ -122,7 +122,7 @@ pub struct Target {
     pub api_key: String,
 }
 
-fn key_of(w: Workload, i: usize) -> String {
+pub(super) fn key_of(w: Workload, i: usize) -> String {
     format!("{}:k{i}", w.name())
 }
 

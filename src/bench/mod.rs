@@ -25,10 +25,15 @@
 //! `hot-key-buckets` (db mode, the resource split over 16 bucket rows) and `redis-hot-key`
 //! (redis mode, [`redis_hot`]).
 //!
+//! `core-hot-key`, `core-uniform` and `core-multi-line` ([`core`]) run the storage core alone:
+//! the same orders handed to `Storage::execute_order` in the bench's own process, without HTTP,
+//! so that a scenario and its `core-` twin in one run show what HTTP costs an order.
+//!
 //! `noisy-neighbour` ([`noisy`]) is printed in a table of its own: one tenant's latency and
 //! throughput while another floods the server with cheap, then with fuel-burning plugin plans.
 
 pub mod baseline;
+pub mod core;
 pub mod load;
 pub mod noisy;
 pub mod plugin_plans;
@@ -123,7 +128,9 @@ pub struct BenchArgs {
     /// noisy-neighbour (fixed 32 + 8 clients, three phases of --duration-secs each; needs
     /// hostile-fuel-burner.wasm in --plugins-dir); flash-sale-builtin, flash-sale-rust,
     /// flash-sale-js, flash-sale-python (one-piece orders of new users on one SKU, planned by the
-    /// built-in plan or the flash-sale example of that language from --plugins-dir; 2 s warm-up).
+    /// built-in plan or the flash-sale example of that language from --plugins-dir; 2 s warm-up);
+    /// core-hot-key, core-uniform, core-multi-line (those orders handed straight to the storage
+    /// core in the bench's own process, no HTTP, on a database of their own).
     #[arg(
         long,
         value_delimiter = ',',
@@ -283,6 +290,8 @@ enum Scenario {
     /// A flash sale planned by the built-in plan or a plugin of one language
     /// ([`plugin_plans`]), with the plugin's bytes.
     PluginPlans(plugin_plans::Planner, Option<Vec<u8>>),
+    /// An HTTP workload's orders handed straight to the storage core ([`core`]).
+    Core(Workload),
 }
 
 /// The scenario named `name`. Reads the plugins and settings a scenario needs now, so a missing
@@ -303,15 +312,19 @@ fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
         redis_hot::NAME => Scenario::RedisHotKey,
         redis_lua::NAME => Scenario::RedisLua(redis_lua::redis_url_from_env()?),
         noisy::NAME => Scenario::NoisyNeighbour(noisy::read_fixture(plugins_dir)?),
-        other => match plugin_plans::Planner::parse(other) {
-            Some(planner) => Scenario::PluginPlans(planner, planner.read(plugins_dir)?),
-            None => bail!("unknown scenario {other:?}"),
+        other => match (plugin_plans::Planner::parse(other), core::parse(other)) {
+            (Some(planner), _) => Scenario::PluginPlans(planner, planner.read(plugins_dir)?),
+            (None, Some(w)) => Scenario::Core(w),
+            (None, None) => bail!("unknown scenario {other:?}"),
         },
     })
 }
 
 /// `stockd bench`: runs the scenarios, prints the table, writes the JSON.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    // Before the bench's own first SQLite connection (baselines, sizes), so that the `core-`
+    // scenarios' storage runs SQLite as the server does.
+    crate::storage::sqlite::library::configure();
     let scenarios =
         args.scenarios.iter().map(|s| parse_scenario(s, &args.plugins_dir)).collect::<anyhow::Result<Vec<_>>>()?;
     if args.clients == 0 || args.duration_secs == 0 || args.orders == Some(0) || args.client_timeout_secs == 0 {
@@ -453,6 +466,21 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                 let mut row = summarize(redis_lua::NAME, args, run.stats, run.violations, None);
                 row.false_sold_outs = Some(run.report.false_sold_outs);
                 row.baseline = Some(run.report);
+                results.push(row);
+            }
+            Scenario::Core(w) => {
+                let name = core::name(*w);
+                let Some(db) = &server.db else {
+                    eprintln!("bench: skipping {name} (no direct database access with --url)");
+                    continue;
+                };
+                eprintln!("bench: {name} ...");
+                let hooks = (args.exec_before_load.as_deref(), args.exec_after_load.as_deref());
+                let run =
+                    core::run(db, *w, args.clients, limit, hooks).await.with_context(|| format!("running {name}"))?;
+                let mut row = summarize(&name, args, run.stats, run.violations, None);
+                row.server_cpu_us_per_op = run.cpu_us_per_op;
+                row.storage = run.usage;
                 results.push(row);
             }
             Scenario::Naive(n) => {

@@ -146,6 +146,29 @@ async fn a_short_bench_run_checks_its_invariants_and_reports_every_scenario() {
     assert!(ok >= (sales - 1) * 1_000 && ok <= sales * 1_000, "{ok} sold over {sales} sales: {stock}");
 }
 
+/// The `core-` scenarios hand the HTTP scenarios' orders straight to the storage core, on a
+/// database of their own beside the server's: each applies orders, reports the bench process's
+/// CPU per order and what the orders left on disk, and passes its invariant checks (every
+/// resource sums to its total, and they consumed what the acknowledged orders took).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn core_scenarios_apply_orders_through_the_storage_core_and_check_them() {
+    let scenarios = ["core-hot-key", "core-multi-line"];
+    let (stdout, report) =
+        bench(&["--clients", "8", "--duration-secs", "1", "--scenarios", &scenarios.join(",")]).await;
+    let rows = report.as_array().expect("the report is an array of rows");
+    for name in scenarios {
+        let row = rows.iter().find(|r| r["scenario"] == name).cloned().unwrap_or_default();
+        assert!(stdout.contains(name), "{name} is in the table: {stdout}");
+        assert_eq!((row["invariants_ok"].clone(), row["violations"].clone()), (json!(true), json!([])), "{row}");
+        assert!(row["ok"].as_u64().is_some_and(|ok| ok > 0), "orders applied: {row}");
+        assert_eq!(row["requests"], row["ok"], "every order applied: {row}");
+        let cpu = row["server_cpu_us_per_op"].as_f64();
+        assert!(cpu.is_some_and(|us| us > 0.0 && us < 1_000_000.0), "{name}: cpu µs/op {cpu:?}: {row}");
+        let bytes = row["bytes_per_order"].as_f64();
+        assert!(bytes.is_some_and(|b| b > 0.0), "{name}: bytes per order {bytes:?}: {row}");
+    }
+}
+
 /// Without STOCKD_REDIS_URL the redis-lua scenario refuses to start and names the variable.
 #[tokio::test]
 async fn redis_lua_without_a_redis_url_fails_naming_the_variable() {

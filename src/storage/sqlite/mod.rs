@@ -3,7 +3,7 @@
 //! (or plain SQL in [`ops`] for tenants, keys and plugins); reads run on read-only connections
 //! beside it ([`readers`]), most over the same port. sqlx only applies the migrations at start.
 
-mod library;
+pub mod library;
 pub mod migrate;
 pub mod ops;
 pub mod port;
