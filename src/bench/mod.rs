@@ -225,6 +225,9 @@ pub struct ScenarioResult {
     /// Only for the baselines: the stock's segments and sales ([`baseline::Report`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub baseline: Option<baseline::Report>,
+    /// Only for `redis-hot-key`: how settlement into the database kept up with the sales.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub settlement: Option<redis_hot::Settlement>,
     /// Only for `noisy-neighbour`, whose row's own numbers are tenant B's under the fuel flood
     /// (the phase it is judged on): every phase, both tenants and the judged ratios.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -274,6 +277,7 @@ fn summarize(
         ratio_to_guarded_per_request: None,
         false_sold_outs: None,
         baseline: None,
+        settlement: None,
         noisy_neighbour: None,
     }
 }
@@ -420,7 +424,7 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                 exec_hook(args.exec_after_load.as_deref(), redis_hot::NAME).await?;
                 // Sized (and the WAL sampled) until after the check, which waits until every sale
                 // is settled into the database.
-                let violations = redis_hot::check(&target, &stats).await?;
+                let (violations, settlement) = redis_hot::check(&target, &stats).await?;
                 let usage = match probe {
                     Some(p) => p.finish(stats.ok).await,
                     None => storage::Usage::default(),
@@ -428,6 +432,7 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                 let mut row = summarize(redis_hot::NAME, args, stats, violations, server.peak_rss_kib());
                 row.server_cpu_us_per_op = cpu;
                 row.storage = usage;
+                row.settlement = Some(settlement);
                 results.push(row);
             }
             Scenario::NoisyNeighbour(fuel_burner) => {
@@ -565,6 +570,14 @@ fn print_table(results: &[ScenarioResult]) {
         results.iter().partition(|r| r.noisy_neighbour.is_some());
     if !results.is_empty() {
         print_main_table(&results);
+    }
+    for r in &results {
+        if let Some(s) = &r.settlement {
+            println!(
+                "{}: {} sales not yet settled when the load ended, settled {:.1} s later: {:.0} sales/s reached the database",
+                r.scenario, s.backlog_at_load_end, s.drain_secs, s.settled_per_sec
+            );
+        }
     }
     for r in noisy {
         if !results.is_empty() {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::load::{self, get_json, Limit, Target, TOTAL};
@@ -52,17 +53,44 @@ pub async fn run(t: &Arc<Target>, clients: usize, limit: Limit) -> anyhow::Resul
     .await
 }
 
-/// Waits for the backlog to settle, then checks the invariants; returns the violations.
-pub async fn check(t: &Target, stats: &Stats) -> anyhow::Result<Vec<String>> {
-    let deadline = Instant::now() + SETTLE_WAIT;
+/// How settlement kept up with the sales: what was left to settle when the load ended, and how
+/// long it took to settle it. Sales are acknowledged from Redis, so `ok/s` is the rate Redis took
+/// them at; `settled_per_sec` is the rate they reached the database at, the one a sale that
+/// goes on for long can hold (the backlog grows by the difference meanwhile).
+#[derive(Debug, Clone, Serialize)]
+pub struct Settlement {
+    /// Sales in Redis not yet in the database when the load ended (the first reading after it).
+    pub backlog_at_load_end: i64,
+    /// From the load's end until the backlog read 0 (read every [`SETTLE_POLL`]).
+    pub drain_secs: f64,
+    /// Acknowledged sales over the load's time plus `drain_secs`.
+    pub settled_per_sec: f64,
+}
+
+/// How often the check reads the backlog.
+const SETTLE_POLL: Duration = Duration::from_millis(20);
+
+/// Waits for the backlog to settle, then checks the invariants; returns the violations and how
+/// settlement kept up. Call it as soon as the load ended.
+pub async fn check(t: &Target, stats: &Stats) -> anyhow::Result<(Vec<String>, Settlement)> {
+    let started = Instant::now();
+    let deadline = started + SETTLE_WAIT;
+    let mut at_end: Option<i64> = None;
     let rec = loop {
         let rec = get_json(t, "/v1/reconciliation").await?;
         let backlog =
             rec["redis"].as_array().and_then(|r| r.iter().find(|e| e["key"] == KEY)).map(|e| e["backlog"].clone());
+        at_end = at_end.or(backlog.as_ref().and_then(Value::as_i64));
         if backlog == Some(json!(0)) || Instant::now() >= deadline {
             break rec;
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(SETTLE_POLL).await;
+    };
+    let drain = started.elapsed();
+    let settlement = Settlement {
+        backlog_at_load_end: at_end.unwrap_or(-1),
+        drain_secs: drain.as_secs_f64(),
+        settled_per_sec: stats.ok as f64 / (stats.elapsed + drain).as_secs_f64().max(1e-9),
     };
     let mut problems = Vec::new();
     let state = get_json(t, &format!("/v1/resources/{KEY}")).await?;
@@ -83,5 +111,5 @@ pub async fn check(t: &Target, stats: &Stats) -> anyhow::Result<Vec<String>> {
     if let Some(failures) = rec["settlement_failures"].as_array().filter(|f| !f.is_empty()) {
         problems.push(format!("{} settlement failures", failures.len()));
     }
-    Ok(problems)
+    Ok((problems, settlement))
 }
