@@ -74,6 +74,15 @@ impl SqlBackend for Pg {
     /// sale with every connection planning each time; those reads are grouped now, on
     /// connections of their own that plan each group, see `lookup_pool`).
     const BEGIN: Option<&'static str> = Some("BEGIN; SET LOCAL plan_cache_mode = force_custom_plan");
+
+    /// Jobs that declared `by_key` (settlement: about nine single-row statements a settled
+    /// sale) run under PostgreSQL's default plan caching: planning each of their statements
+    /// every time cost more than running it.
+    fn plans_by_key<'a>(conn: &'a mut PgConnection, on: bool) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        let statement =
+            if on { "SET LOCAL plan_cache_mode = auto" } else { "SET LOCAL plan_cache_mode = force_custom_plan" };
+        Box::pin(async move { sqlx::query(statement).execute(&mut *conn).await.map(|_| ()) })
+    }
 }
 
 /// Locks the declared resource rows in one global order and returns them as they are now (for
