@@ -27,7 +27,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use axum::http::Method;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 use super::load::{self, Limit, Stop, Workload, TOTAL};
 use super::server::{cpu_us_of, random_hex, DbAccess, FreshDatabase};
@@ -83,17 +83,16 @@ impl CoreDb {
                 let url = format!("sqlite://{}", file.display());
                 (Self::Sqlite(file.clone()), url, DbAccess::Sqlite(file))
             }
-            DbAccess::Postgres(url) => {
-                let fresh = FreshDatabase::create(Backend::Postgres, url).await?;
-                let (url, access) = (fresh.url.clone(), fresh.access());
-                (Self::Fresh(fresh), url, access)
-            }
-            DbAccess::Mysql(url) => {
-                let fresh = FreshDatabase::create(Backend::Mysql, url).await?;
-                let (url, access) = (fresh.url.clone(), fresh.access());
-                (Self::Fresh(fresh), url, access)
-            }
+            DbAccess::Postgres(url) => Self::fresh(Backend::Postgres, url).await?,
+            DbAccess::Mysql(url) => Self::fresh(Backend::Mysql, url).await?,
         })
+    }
+
+    /// A fresh database on the server `admin_url` names.
+    async fn fresh(backend: Backend, admin_url: &str) -> anyhow::Result<(Self, String, DbAccess)> {
+        let fresh = FreshDatabase::create(backend, admin_url).await?;
+        let (url, access) = (fresh.url.clone(), fresh.access());
+        Ok((Self::Fresh(fresh), url, access))
     }
 
     async fn remove(self) {
@@ -215,14 +214,7 @@ async fn client_loop(
     while stop.next() {
         i += 1;
         let idem = format!("{}-{run}-{task}-{i}", w.name());
-        let mut picked: Vec<usize> = Vec::with_capacity(lines);
-        while picked.len() < lines {
-            let k = rng.random_range(0..w.keys());
-            if !picked.contains(&k) {
-                picked.push(k);
-            }
-        }
-        let keys: Vec<String> = picked.into_iter().map(|k| load::key_of(w, k)).collect();
+        let keys = load::pick_keys(&mut rng, w, lines);
         let started = Instant::now();
         let reason = match order(storage.as_ref(), &tenant, &idem, &keys, max_lines).await {
             Ok(()) => {
@@ -271,26 +263,15 @@ async fn order(
     }
 }
 
-/// No counter negative, each resource summing to its total, `consumed_expected` consumed.
+/// No counter negative, each resource summing to its total, `consumed_expected` consumed
+/// ([`load::Tally`], as the HTTP scenarios are checked).
 async fn check(storage: &dyn Storage, tenant: &TenantId, w: Workload, stats: &Stats) -> anyhow::Result<Vec<String>> {
-    let mut problems = Vec::new();
-    let mut consumed = 0i64;
+    let mut tally = load::Tally::default();
     for i in 0..w.keys() {
         let key = ResourceKey::parse(load::key_of(w, i))?;
-        let Some(r) = storage.get_resource(tenant, &key).await.context("reading a resource")? else {
-            problems.push(format!("{key}: missing"));
-            continue;
-        };
-        if r.available < 0 || r.reserved < 0 || r.consumed < 0 || r.available + r.reserved + r.consumed != r.total {
-            problems.push(format!(
-                "{key}: available {} reserved {} consumed {} total {}",
-                r.available, r.reserved, r.consumed, r.total
-            ));
+        if let Some(r) = storage.get_resource(tenant, &key).await.context("reading a resource")? {
+            tally.add(&key, r.available, r.reserved, r.consumed, r.total);
         }
-        consumed += r.consumed;
     }
-    if consumed != stats.consumed_expected {
-        problems.push(format!("consumed {consumed}, acknowledged orders took {}", stats.consumed_expected));
-    }
-    Ok(problems)
+    Ok(tally.finish(w.keys(), stats.consumed_expected))
 }

@@ -267,14 +267,7 @@ async fn client_loop(t: Arc<Target>, w: Workload, task: usize, stop: Stop) -> St
                 record(&mut stats, started, &outcome);
             }
             Workload::MultiLine => {
-                let mut picked: Vec<usize> = Vec::with_capacity(5);
-                while picked.len() < 5 {
-                    let k = rng.random_range(0..w.keys());
-                    if !picked.contains(&k) {
-                        picked.push(k);
-                    }
-                }
-                let keys: Vec<String> = picked.into_iter().map(|k| key_of(w, k)).collect();
+                let keys = pick_keys(&mut rng, w, 5);
                 let outcome = order(&t, &idem, &order_body(&idem, "deduct", &keys)).await;
                 if outcome.ok {
                     stats.consumed_expected += 5;
@@ -452,8 +445,7 @@ pub async fn check_keys(
     keys: usize,
     consumed_expected: i64,
 ) -> anyhow::Result<(Vec<String>, i64)> {
-    let mut problems = Vec::new();
-    let (mut consumed, mut reserved, mut seen) = (0i64, 0i64, 0usize);
+    let mut tally = Tally::default();
     let mut after: Option<String> = None;
     loop {
         let mut req = t
@@ -467,30 +459,66 @@ pub async fn check_keys(
         let page: Value = req.send().await?.error_for_status()?.json().await.context("resource page")?;
         for item in page["items"].as_array().map(Vec::as_slice).unwrap_or_default() {
             let get = |f: &str| item[f].as_i64().unwrap_or(-1);
-            let (a, r, c, total) = (get("available"), get("reserved"), get("consumed"), get("total"));
-            seen += 1;
-            if a < 0 || r < 0 || c < 0 || a + r + c != total {
-                problems.push(format!("{}: available {a} reserved {r} consumed {c} total {total}", item["key"]));
-            }
-            consumed += c;
-            reserved += r;
+            tally.add(&item["key"], get("available"), get("reserved"), get("consumed"), get("total"));
         }
         match page["next_after"].as_str() {
             Some(next) => after = Some(next.to_string()),
             None => break,
         }
     }
-    if seen != keys {
-        problems.push(format!("{seen} resources found, {keys} expected"));
-    }
-    if consumed != consumed_expected {
-        problems.push(format!("consumed {consumed} != acknowledged successes {consumed_expected}"));
-    }
+    let reserved = tally.reserved;
+    let mut problems = tally.finish(keys, consumed_expected);
     let rec = get_json(t, "/v1/reconciliation").await?;
     if let Some(drift) = rec["drift"].as_array().filter(|d| !d.is_empty()) {
         problems.push(format!("reconciliation drift: {}", Value::Array(drift.clone())));
     }
     Ok((problems, reserved))
+}
+
+/// The counters of a workload's resources, added up resource by resource: none negative, each
+/// summing to its total, and together having consumed what the acknowledged orders took.
+#[derive(Debug, Default)]
+pub(super) struct Tally {
+    problems: Vec<String>,
+    seen: usize,
+    consumed: i64,
+    /// Units still reserved, over every resource seen.
+    pub(super) reserved: i64,
+}
+
+impl Tally {
+    /// One resource's counters.
+    pub(super) fn add(&mut self, key: impl std::fmt::Display, a: i64, r: i64, c: i64, total: i64) {
+        self.seen += 1;
+        if a < 0 || r < 0 || c < 0 || a + r + c != total {
+            self.problems.push(format!("{key}: available {a} reserved {r} consumed {c} total {total}"));
+        }
+        self.consumed += c;
+        self.reserved += r;
+    }
+
+    /// The violations, with `keys` resources expected and `consumed_expected` units consumed.
+    pub(super) fn finish(mut self, keys: usize, consumed_expected: i64) -> Vec<String> {
+        if self.seen != keys {
+            self.problems.push(format!("{} resources found, {keys} expected", self.seen));
+        }
+        if self.consumed != consumed_expected {
+            self.problems.push(format!("consumed {} != acknowledged successes {consumed_expected}", self.consumed));
+        }
+        self.problems
+    }
+}
+
+/// `n` distinct keys of the workload, picked at random.
+pub(super) fn pick_keys(rng: &mut StdRng, w: Workload, n: usize) -> Vec<String> {
+    let mut picked: Vec<usize> = Vec::with_capacity(n);
+    while picked.len() < n {
+        let k = rng.random_range(0..w.keys());
+        if !picked.contains(&k) {
+            picked.push(k);
+        }
+    }
+    picked.into_iter().map(|k| key_of(w, k)).collect()
 }
 
 /// GETs a path of the tenant's API as JSON.

@@ -481,11 +481,11 @@ fn fail_all(conn: &Connection, completions: Vec<Completion>, why: &str) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// Frames of a WAL file of `bytes` (a 32-byte header, then 24-byte frame headers and pages).
-    fn frames(bytes: u64, page_size: u64) -> u64 {
+    pub(in crate::storage::sqlite) fn frames(bytes: u64, page_size: u64) -> u64 {
         bytes.saturating_sub(32) / (24 + page_size)
     }
 
