@@ -21,4 +21,6 @@ pub mod settlement;
 #[cfg(test)]
 mod reconcile_tests;
 #[cfg(test)]
+mod settlement_tests;
+#[cfg(test)]
 mod tests;

@@ -323,6 +323,22 @@ pub trait Port {
         request_id: &str,
         now_ms: i64,
     ) -> Result<bool, StorageError>;
+    /// Claims settlements' request ids (distinct) of one resource at once, one answer per id in
+    /// order: `false`, it was settled before. Where several processes write, an id another
+    /// transaction claims first waits here for it, as [`Port::claim_settlement`] does.
+    async fn claim_settlements(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        request_ids: &[&str],
+        now_ms: i64,
+    ) -> Result<Vec<bool>, StorageError> {
+        let mut claimed = Vec::with_capacity(request_ids.len());
+        for id in request_ids {
+            claimed.push(self.claim_settlement(tenant, key, id, now_ms).await?);
+        }
+        Ok(claimed)
+    }
     /// Records a sale Redis acknowledged that the database refused (once per request id).
     async fn record_settlement_failure(
         &mut self,
@@ -348,6 +364,19 @@ pub trait Port {
         event: Option<&str>,
         at: i64,
     ) -> Result<bool, StorageError>;
+
+    /// [`Port::store_outcome_if_absent`] for each of these outcomes (of distinct keys), one
+    /// answer per outcome in order.
+    async fn store_outcomes_if_absent(&mut self, outcomes: &[Outcome]) -> Result<Vec<bool>, StorageError> {
+        let mut stored = Vec::with_capacity(outcomes.len());
+        for o in outcomes {
+            let event = o.event.as_deref();
+            stored.push(
+                self.store_outcome_if_absent(&o.tenant, &o.key, &o.request_hash, &o.response, event, o.at).await?,
+            );
+        }
+        Ok(stored)
+    }
 
     /// Claims the keys of a batch's orders at once, one answer per key in order.
     async fn claim_keys(

@@ -5,15 +5,24 @@
 //! counters may refuse it), with its ledger row; what the database refuses is recorded as a
 //! settlement failure for the tenant to compensate; the client's answer is stored so a replay
 //! finds it after Redis forgot it.
+//!
+//! A run of deductions read together from one stream is settled as one write
+//! ([`settle_run`]): decided record by record exactly as [`settle`] decides each, with the
+//! resource row read and written once and each kind of row written in one statement where the
+//! backend can.
+
+use std::collections::{BTreeMap, HashSet};
 
 use serde_json::json;
 
 use super::events;
-use super::port::{Change, Entry, Gate, Move, NewReservation, Port, Row, Savepoint};
+use super::port::{
+    BatchWrites, Change, Counts, Entry, Gate, LedgerRow, Move, NewReservation, Outcome, Port, Row, RowWrite, Savepoint,
+};
 use super::reversals::{self, Shortfall};
 use crate::engine::reversal::{BucketReversal, LineReversal};
 use crate::engine::{LedgerOp, Reservation, ReservationState};
-use crate::events::{order_key, resource_key, EventType, NewEvent};
+use crate::events::{order_key, resource_key, EventType, NewEvent, Stock};
 use crate::storage::redis_store::{move_target, SettleRecord, Settled};
 use crate::storage::{ContentType, StorageError, StoredResponse};
 
@@ -91,6 +100,12 @@ async fn refused<P: Port>(
 ) -> Result<Settled, StorageError> {
     let available = port.view(&r.t, &r.k).await?.map_or(0, |v| v.available);
     port.record_settlement_failure(r, qty, reason, available, now_ms).await?;
+    port.emit(&failed_event(r, qty, reason, available, now_ms)).await?;
+    Ok(Settled::Refused)
+}
+
+/// `settlement.failed` for a sale the database refused.
+fn failed_event(r: &SettleRecord, qty: i64, reason: &str, available: i64, now_ms: i64) -> NewEvent {
     let data = json!({
         "key": r.k,
         "op": r.op(),
@@ -101,8 +116,7 @@ async fn refused<P: Port>(
         "reservation_id": r.rsv,
         "request_id": r.rid,
     });
-    port.emit(&NewEvent::new(&r.t, EventType::SettlementFailed, resource_key(&r.k), now_ms, &data)).await?;
-    Ok(Settled::Refused)
+    NewEvent::new(&r.t, EventType::SettlementFailed, resource_key(&r.k), now_ms, &data)
 }
 
 /// A deduction or a reservation Redis acknowledged.
@@ -229,4 +243,159 @@ async fn settle_move<P: Port>(
         return Ok(Settled::Applied);
     }
     Err(StorageError::Internal(format!("reservation {id} left held twice")))
+}
+
+/// Whether a record may be settled in a run with others ([`settle_run`]): a deduction that
+/// names its order line (records of earlier versions do not, and their ledger rows keep none).
+pub fn runs_together(r: &SettleRecord) -> bool {
+    r.op() == "deduct" && r.rsv.is_none() && r.lk.is_some()
+}
+
+/// What one record of a run decided, for the events written in stream order once the run's
+/// answers are stored.
+struct Decided {
+    settled: Settled,
+    /// A refusal's `settlement.failed`, emitted before the order's event.
+    failed: Option<NewEvent>,
+    /// The `order.applied` its answer points at, emitted if the answer was stored now.
+    applied: Option<NewEvent>,
+    /// The stock events of its change.
+    stock: Vec<NewEvent>,
+}
+
+/// Settles a run of deductions of one resource, in stream order (each [`runs_together`]), as
+/// one write, with the outcomes, rows and events [`settle`] gives them one by one (the property
+/// test in `settlement_tests.rs` holds the two alike): the request ids claimed in one statement,
+/// the resource row read once, each record decided against the counters the ones before it
+/// left, then the answers stored in one statement and the row, ledger rows and events written
+/// as batch admission writes them. A missing or bucketed resource (neither is a redis-mode
+/// resource settlement expects) settles each record with [`settle`].
+pub async fn settle_run<P: Port>(
+    port: &mut P,
+    records: &[SettleRecord],
+    now_ms: i64,
+) -> Result<Vec<Settled>, StorageError> {
+    let Some(first) = records.first() else { return Ok(Vec::new()) };
+    let (tenant, key) = (first.t.as_str(), first.k.as_str());
+    if records.iter().any(|r| r.t != tenant || r.k != key || !runs_together(r)) {
+        return Err(StorageError::Internal("a settlement run mixes resources or kinds of record".into()));
+    }
+    let (row, stock) = match (port.resource(tenant, key).await?, port.stock(tenant, key).await?) {
+        (Some(row), Some(stock)) if row.buckets == 1 => (row, stock),
+        _ => {
+            let mut settled = Vec::with_capacity(records.len());
+            for r in records {
+                settled.push(settle(port, r, now_ms).await?);
+            }
+            return Ok(settled);
+        }
+    };
+    // A request id twice in the run: the second is a redelivery of the first, as [`settle`]
+    // would find it claimed.
+    let mut seen = HashSet::new();
+    let first_of_id: Vec<bool> = records.iter().map(|r| seen.insert(r.rid.as_str())).collect();
+    let ids: Vec<&str> = records.iter().zip(&first_of_id).filter(|(_, &f)| f).map(|(r, _)| r.rid.as_str()).collect();
+    let claimed = port.claim_settlements(tenant, key, &ids, now_ms).await?;
+    if claimed.len() != ids.len() {
+        return Err(StorageError::Internal("a settlement claim answered a different number of ids".into()));
+    }
+    let mut claimed = claimed.into_iter();
+    let read_version = row.version;
+    let mut counts =
+        Counts { available: row.available, reserved: row.reserved, consumed: row.consumed, version: row.version };
+    let mut band = stock.band;
+    let mut writes = BatchWrites::default();
+    let mut limits: BTreeMap<&str, i64> = BTreeMap::new();
+    let mut decided = Vec::with_capacity(records.len());
+    let mut answered = HashSet::new();
+    let mut outcomes = Vec::new();
+    for (r, first) in records.iter().zip(first_of_id) {
+        let fresh = first && claimed.next().unwrap_or(false);
+        if !fresh {
+            decided.push(Decided { settled: Settled::Duplicate, failed: None, applied: None, stock: Vec::new() });
+            continue;
+        }
+        let mut d = Decided { settled: Settled::Applied, failed: None, applied: None, stock: Vec::new() };
+        if counts.available >= r.q {
+            counts = Counts {
+                available: counts.available - r.q,
+                consumed: counts.consumed + r.q,
+                version: counts.version + 1,
+                ..counts
+            };
+            writes.ledger.push(LedgerRow {
+                tenant: r.t.clone(),
+                resource: r.k.clone(),
+                line_key: r.lk.clone().unwrap_or_default(),
+                limit_key: r.lim.clone(),
+                op: LedgerOp::Deduct,
+                qty: r.q,
+                request_id: r.rid.clone(),
+                order_id: r.oid.clone(),
+                reservation_id: None,
+                after: counts,
+                plugin_version: Some(r.pv),
+                at: now_ms,
+            });
+            if let Some(limit) = &r.lim {
+                *limits.entry(limit).or_default() += r.q;
+            }
+            let now = Stock { available: counts.available, low_stock: stock.low_stock, band };
+            if let Some((moved_to, emitted)) = events::stock_events(tenant, key, now, now_ms) {
+                band = moved_to;
+                d.stock = emitted;
+            }
+        } else {
+            port.record_settlement_failure(r, r.q, "insufficient", counts.available, now_ms).await?;
+            d.settled = Settled::Refused;
+            d.failed = Some(failed_event(r, r.q, "insufficient", counts.available, now_ms));
+        }
+        // The first record of an order to settle stores its answer (a key twice in the run: the
+        // second finds it stored, as [`settle`] would).
+        if answered.insert(r.idem.as_str()) {
+            let applied = events::order_applied_event(&r.t, &r.oid, &r.body, now_ms);
+            outcomes.push(Outcome {
+                tenant: r.t.clone(),
+                key: r.idem.clone(),
+                request_hash: r.h.clone(),
+                response: StoredResponse { status: 201, content_type: ContentType::Json, body: r.body.clone() },
+                event: Some(applied.id.clone()),
+                at: r.at,
+            });
+            d.applied = Some(applied);
+        }
+        decided.push(d);
+    }
+    let stored = port.store_outcomes_if_absent(&outcomes).await?;
+    if stored.len() != outcomes.len() {
+        return Err(StorageError::Internal("storing a run's answers answered a different number".into()));
+    }
+    let mut stored = stored.into_iter();
+    let mut settled = Vec::with_capacity(decided.len());
+    for d in decided {
+        writes.events.extend(d.failed);
+        if let Some(applied) = d.applied {
+            if stored.next().unwrap_or(false) {
+                writes.events.push(applied);
+            }
+        }
+        writes.events.extend(d.stock);
+        settled.push(d.settled);
+    }
+    for (limit, qty) in limits {
+        // Redis enforced the limit; the database keeps the count for the record.
+        port.count_limit(tenant, limit, qty).await?;
+    }
+    if counts.version != read_version {
+        writes.rows.push(RowWrite {
+            tenant: tenant.to_string(),
+            key: key.to_string(),
+            after: counts,
+            read_version,
+            stock: (band != stock.band).then_some(band),
+            at: now_ms,
+        });
+    }
+    port.write_batch(&writes).await?;
+    Ok(settled)
 }

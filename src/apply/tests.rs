@@ -404,7 +404,7 @@ fn exec(conn: &Connection, sql: &str) -> rusqlite::Result<usize> {
 }
 
 /// A job in its own savepoint, rolled back alone when it fails, as the writer runs each job.
-fn in_savepoint<T>(
+pub(super) fn in_savepoint<T>(
     conn: &Connection,
     work: impl FnOnce(&Connection) -> Result<T, StorageError>,
 ) -> Result<T, StorageError> {
@@ -423,7 +423,7 @@ fn execute(conn: &Connection, job: &OrderJob, now_ms: i64) -> Result<OrderExecut
     run_now(orders::execute(&mut SqlitePort::new(conn), job, now_ms))
 }
 
-struct Db {
+pub(super) struct Db {
     conn: Connection,
     ids: Ids,
     /// Every reservation an order made, in the order they were made.
@@ -434,7 +434,7 @@ impl Db {
     /// Opened as `storage::sqlite::open_writer` opens the writer's connection (with
     /// `synchronous = NORMAL`, a setting the server allows, so the test does not wait on
     /// fsyncs), and migrated.
-    fn open(path: &Path) -> Self {
+    pub(super) fn open(path: &Path) -> Self {
         let conn = Connection::open(path).expect("open the database");
         conn.pragma_update(None, "journal_mode", "WAL").expect("journal_mode");
         conn.pragma_update(None, "synchronous", "NORMAL").expect("synchronous");
@@ -457,7 +457,7 @@ impl Db {
     }
 
     /// One commit of the writer around `body`.
-    fn commit<T>(&self, body: impl FnOnce(&Connection) -> T) -> T {
+    pub(super) fn commit<T>(&self, body: impl FnOnce(&Connection) -> T) -> T {
         self.conn.execute_batch("BEGIN IMMEDIATE").expect("BEGIN IMMEDIATE");
         let out = body(&self.conn);
         self.conn.execute_batch("COMMIT").expect("COMMIT");
@@ -465,7 +465,7 @@ impl Db {
     }
 
     /// A non-order write, committed alone as the writer commits a submitted job.
-    fn work<T>(&self, work: impl FnOnce(&Connection) -> Result<T, StorageError>) -> Result<T, StorageError> {
+    pub(super) fn work<T>(&self, work: impl FnOnce(&Connection) -> Result<T, StorageError>) -> Result<T, StorageError> {
         self.commit(|conn| in_savepoint(conn, work))
     }
 
@@ -609,7 +609,7 @@ impl Db {
     }
 
     /// Every row `sql` selects, normalized, as text.
-    fn rows(&mut self, sql: &str) -> Vec<String> {
+    pub(super) fn rows(&mut self, sql: &str) -> Vec<String> {
         let mut statement = self.conn.prepare(sql).expect("a valid query");
         let columns = statement.column_count();
         let rows: Vec<Vec<Value>> = statement
@@ -621,23 +621,25 @@ impl Db {
     }
 }
 
-const RESOURCES: &str = "SELECT tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
+pub(super) const RESOURCES: &str =
+    "SELECT tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
         version, updated_at, stock FROM resources ORDER BY tenant_id, key";
-const LEDGER: &str = "SELECT tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+pub(super) const LEDGER: &str = "SELECT tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
         available_after, reserved_after, consumed_after, version_after, plugin_version, at, line_key, limit_key
         FROM ledger ORDER BY seq";
-const EVENTS: &str = "SELECT tenant_id, seq, type, ordering_key, at, data FROM events ORDER BY tenant_id, seq";
+pub(super) const EVENTS: &str =
+    "SELECT tenant_id, seq, type, ordering_key, at, data FROM events ORDER BY tenant_id, seq";
 const RESERVATIONS: &str =
     "SELECT tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at FROM reservations";
-const USER_LIMITS: &str = "SELECT tenant_id, key, used FROM user_limits ORDER BY tenant_id, key";
+pub(super) const USER_LIMITS: &str = "SELECT tenant_id, key, used FROM user_limits ORDER BY tenant_id, key";
 /// The answer as a replay reads it, and where it is kept (inline, or in the order's event).
-const IDEMPOTENCY: &str = "SELECT i.tenant_id, i.key, i.request_hash, i.response_code, i.response_type,
+pub(super) const IDEMPOTENCY: &str = "SELECT i.tenant_id, i.key, i.request_hash, i.response_code, i.response_type,
         COALESCE(i.response_body, e.data), i.response_event IS NULL, i.created_at
         FROM idempotency i LEFT JOIN events e ON e.id = i.response_event ORDER BY i.tenant_id, i.key";
 const BUCKETS: &str = "SELECT tenant_id, resource_key, bucket FROM resource_buckets ORDER BY 1, 2, 3";
 
 /// The first row where two dumps differ, if any.
-fn same_rows(what: &str, a: &[String], b: &[String]) -> Result<(), TestCaseError> {
+pub(super) fn same_rows(what: &str, a: &[String], b: &[String]) -> Result<(), TestCaseError> {
     match (0..a.len().max(b.len())).find(|&i| a.get(i) != b.get(i)) {
         None => Ok(()),
         Some(i) => Err(TestCaseError::fail(format!(

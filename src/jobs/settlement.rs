@@ -1,7 +1,7 @@
 //! The settlement consumer every process runs: for each redis-mode resource it reads new
 //! entries of the resource's stream as a member of the consumer group, applies them to the
-//! database (one group commit for the batch, each record its own savepoint), and acknowledges
-//! each after the commit. Entries a consumer took and never acknowledged (it died) are
+//! database (a run of deductions as one write, any other record as one of its own, all sharing
+//! group commits), and acknowledges each after the commit. Entries a consumer took and never acknowledged (it died) are
 //! reclaimed with `XAUTOCLAIM` once idle for `claim_idle_ms`. A record the database refuses is
 //! recorded as a settlement failure (and acknowledged: it is kept in the database, not lost).
 //! A record that could not be settled at all (database down) stays pending and is reclaimed.
@@ -14,10 +14,11 @@ use futures::future::join_all;
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 
 use super::supervisor::JobCtx;
+use crate::apply::settlement::runs_together;
 use crate::engine::{ResourceKey, TenantId};
 use crate::redis_mode::{RedisMode, RedisModeError, StreamOwner, GROUP};
 use crate::storage::redis_store::{DeadLetter, SettleRecord, Settled};
-use crate::storage::Storage;
+use crate::storage::{Storage, StorageError};
 use crate::time::{now_ms, Timestamp};
 /// How often each stream is searched for entries of dead consumers.
 const CLAIM_EVERY: Duration = Duration::from_millis(500);
@@ -194,13 +195,7 @@ async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, 
             (e.id.clone(), record, e.get::<i64>("d"))
         })
         .collect();
-    let outcomes = join_all(records.iter().map(|(_, record, _)| async move {
-        match record {
-            Some(r) if r.t == tenant && r.k == key => Some(storage.settle(r, now).await),
-            _ => None,
-        }
-    }))
-    .await;
+    let outcomes = settle_all(storage, tenant, key, &records, now).await;
     let mut settled = Vec::with_capacity(records.len());
     for ((id, record, delta), outcome) in records.iter().zip(outcomes) {
         let qty = record.as_ref().map(|r| r.q).unwrap_or(0);
@@ -262,6 +257,50 @@ async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, 
         }
     }
     acked
+}
+
+/// Settles the records of one read, in stream order, one answer per record (`None`: not a
+/// record of this stream, never applied). Consecutive deductions go as one run
+/// ([`crate::storage::redis_store::RedisStore::settle_run`]: their claims, row change, ledger rows, answers and events written
+/// together); any other record is settled on its own. The writes are submitted in stream order
+/// and run concurrently, sharing group commits.
+async fn settle_all(
+    storage: &dyn Storage,
+    tenant: &str,
+    key: &str,
+    records: &[(String, Option<SettleRecord>, Option<i64>)],
+    now: i64,
+) -> Vec<Option<Result<Settled, StorageError>>> {
+    fn of<'r>(record: &'r Option<SettleRecord>, tenant: &str, key: &str) -> Option<&'r SettleRecord> {
+        record.as_ref().filter(|r| r.t == tenant && r.k == key)
+    }
+    let ours = |record| of(record, tenant, key);
+    // Runs of consecutive deductions, and every other record alone: (first index, length, run).
+    let mut units: Vec<(usize, usize, bool)> = Vec::new();
+    for (i, (_, record, _)) in records.iter().enumerate() {
+        let together = ours(record).is_some_and(runs_together);
+        match units.last_mut() {
+            Some((_, len, true)) if together => *len += 1,
+            _ => units.push((i, 1, together)),
+        }
+    }
+    let settled = join_all(units.iter().map(|&(start, len, run)| async move {
+        let unit = &records[start..start + len];
+        if !run {
+            return match unit.first().and_then(|(_, record, _)| ours(record)) {
+                Some(r) => vec![Some(storage.settle(r, now).await)],
+                None => vec![None],
+            };
+        }
+        let run: Vec<SettleRecord> = unit.iter().filter_map(|(_, r, _)| r.clone()).collect();
+        match storage.settle_run(run, now).await {
+            Ok(settled) if settled.len() == len => settled.into_iter().map(|s| Some(Ok(s))).collect(),
+            Ok(_) => vec![Some(Err(StorageError::Internal("a run settled a different number".into()))); len],
+            Err(err) => vec![Some(Err(err)); len],
+        }
+    }))
+    .await;
+    settled.into_iter().flatten().collect()
 }
 
 /// Forgets the consumers that processes now gone left in the resource's group (every process

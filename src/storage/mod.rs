@@ -11,6 +11,8 @@ pub mod postgres;
 pub mod redis_store;
 pub mod rows;
 pub mod rules;
+#[cfg(test)]
+mod settle_run_tests;
 pub mod sqlite;
 pub mod webhooks;
 

@@ -16,7 +16,7 @@ use crate::engine::{LedgerOp, ReservationState, ResourceKey, TenantId};
 
 /// One success Redis acknowledged, as its Lua script appended it to the resource's stream.
 /// Field names are short: one record per sale crosses Redis twice.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SettleRecord {
     /// Tenant.
     pub t: String,
@@ -228,6 +228,10 @@ pub(crate) const DEAD_LETTERS_SQL: &str = "SELECT resource_key, entry_id, payloa
 pub trait RedisStore: Send + Sync {
     /// Applies one record, exactly once whatever the number of deliveries.
     async fn settle(&self, record: &SettleRecord, now_ms: i64) -> Result<Settled, StorageError>;
+    /// Applies a run of deductions of one resource read together from its stream, in stream
+    /// order, as one write ([`crate::apply::settlement::settle_run`]): one answer per record.
+    /// An error leaves every record of the run unsettled.
+    async fn settle_run(&self, records: Vec<SettleRecord>, now_ms: i64) -> Result<Vec<Settled>, StorageError>;
     /// Takes the next fencing epoch of a resource in redis mode, putting it into redis mode
     /// first when `into_redis`. `None`: no such resource, or (without `into_redis`) it is not in
     /// redis mode. Every warm, switch and adjustment of a redis-mode resource starts here.

@@ -32,6 +32,22 @@ impl RedisStore for MyStorage {
         .await
     }
 
+    async fn settle_run(&self, records: Vec<SettleRecord>, now_ms: i64) -> Result<Vec<Settled>, StorageError> {
+        let Some(first) = records.first() else { return Ok(Vec::new()) };
+        let locks = vec![(first.t.clone(), first.k.clone())];
+        let records = std::sync::Arc::new(records);
+        self.submit(
+            locks,
+            work(move |conn| {
+                let records = records.clone();
+                Box::pin(
+                    async move { crate::apply::settlement::settle_run(&mut MyPort::new(conn), &records, now_ms).await },
+                )
+            }),
+        )
+        .await
+    }
+
     async fn take_epoch(
         &self,
         tenant: &TenantId,

@@ -9,12 +9,12 @@
 //! rows with `SKIP LOCKED`.
 
 use sqlx::postgres::{PgArguments, PgRow};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use sqlx::{PgConnection, Row as SqlRow};
 
 use crate::apply::port::{
-    BatchWrites, Change, Claim, Counts, Entry, Gate, Move, NewReservation, Port, Row, Savepoint, View,
+    BatchWrites, Change, Claim, Counts, Entry, Gate, Move, NewReservation, Outcome, Port, Row, Savepoint, View,
 };
 use crate::apply::reads::{LedgerRows, Reads};
 use crate::engine::reversal::OrderEntries;
@@ -626,6 +626,33 @@ impl Port for PgPort<'_> {
         Ok(claimed == 1)
     }
 
+    /// One statement for the run; the ids it did not insert were claimed before (or by a
+    /// transaction it waited for).
+    async fn claim_settlements(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        request_ids: &[&str],
+        now_ms: i64,
+    ) -> Result<Vec<bool>, StorageError> {
+        if request_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let inserted: Vec<String> = sqlx::query_scalar(
+            "INSERT INTO redis_settled (tenant_id, resource_key, request_id, at)
+             SELECT $1, $2, id, $4 FROM UNNEST($3::text[]) WITH ORDINALITY AS u (id, n) ORDER BY n
+             ON CONFLICT DO NOTHING RETURNING request_id",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(request_ids)
+        .bind(now_ms)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        let inserted: HashSet<String> = inserted.into_iter().collect();
+        Ok(request_ids.iter().map(|id| inserted.contains(*id)).collect())
+    }
+
     async fn record_settlement_failure(
         &mut self,
         r: &SettleRecord,
@@ -701,6 +728,42 @@ impl Port for PgPort<'_> {
         .execute(&mut *self.conn)
         .await?;
         Ok(stored.rows_affected() == 1)
+    }
+
+    /// One statement; the keys it did not insert had an outcome (or got one from a transaction
+    /// it waited for).
+    async fn store_outcomes_if_absent(&mut self, outcomes: &[Outcome]) -> Result<Vec<bool>, StorageError> {
+        fn col<U>(items: &[Outcome], f: impl Fn(&Outcome) -> U) -> Vec<U> {
+            items.iter().map(f).collect()
+        }
+        if outcomes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let o = outcomes;
+        let rows = sqlx::query(
+            "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
+                                      response_event, created_at)
+             SELECT t, k, h, c, ty, b, e, at
+             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::text[],
+                         $8::bigint[]) WITH ORDINALITY AS u (t, k, h, c, ty, b, e, at, n)
+             ORDER BY n
+             ON CONFLICT (tenant_id, key) DO NOTHING RETURNING tenant_id, key",
+        )
+        .bind(col(o, |x| x.tenant.clone()))
+        .bind(col(o, |x| x.key.clone()))
+        .bind(col(o, |x| x.request_hash.clone()))
+        .bind(col(o, |x| i32::from(x.response.status)))
+        .bind(col(o, |x| x.response.content_type.as_str()))
+        .bind(col(o, |x| body_columns(&x.response, x.event.as_deref()).0.map(str::to_owned)))
+        .bind(col(o, |x| body_columns(&x.response, x.event.as_deref()).1.map(str::to_owned)))
+        .bind(col(o, |x| x.at))
+        .fetch_all(&mut *self.conn)
+        .await?;
+        let inserted: HashSet<(String, String)> = rows
+            .iter()
+            .map(|row| Ok((row.text("tenant_id")?, row.text("key")?)))
+            .collect::<Result<_, StorageError>>()?;
+        Ok(o.iter().map(|x| inserted.contains(&(x.tenant.clone(), x.key.clone()))).collect())
     }
 
     /// Reads the stored outcomes of the batch's keys in one statement: a key found was used

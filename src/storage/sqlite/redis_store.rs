@@ -23,6 +23,14 @@ impl RedisStore for SqliteStorage {
             .await
     }
 
+    async fn settle_run(&self, records: Vec<SettleRecord>, now_ms: i64) -> Result<Vec<Settled>, StorageError> {
+        self.writer()?
+            .submit(move |conn| {
+                run_now(crate::apply::settlement::settle_run(&mut SqlitePort::new(conn), &records, now_ms))
+            })
+            .await
+    }
+
     async fn take_epoch(
         &self,
         tenant: &TenantId,
