@@ -593,6 +593,10 @@ pub struct RedisConfig {
     pub settle_batch: usize,
     /// How long the settlement consumer sleeps when every stream is empty.
     pub settle_poll_ms: u64,
+    /// Most entries a resource's stream may hold not yet settled into the database: past it,
+    /// its orders answer `503` with `Retry-After` (nothing sold) until settlement catches up,
+    /// so a sale faster than the database settles cannot grow Redis without bound.
+    pub max_backlog: u64,
     /// An entry delivered this long ago and still unacknowledged belongs to a consumer presumed
     /// dead; any other consumer reclaims it (XAUTOCLAIM).
     pub claim_idle_ms: u64,
@@ -640,6 +644,7 @@ impl Default for RedisConfig {
             timeout_ms: 1_000,
             settle_batch: 256,
             settle_poll_ms: 5,
+            max_backlog: 100_000,
             claim_idle_ms: 5_000,
             drain_timeout_ms: 10_000,
             lease_ms: None,
@@ -886,6 +891,9 @@ impl Config {
         }
         if self.redis.timeout_ms == 0 || self.redis.settle_batch == 0 || self.redis.settle_batch > 10_000 {
             bail!("redis.timeout_ms must be > 0 and redis.settle_batch between 1 and 10000");
+        }
+        if !(1..=100_000_000).contains(&self.redis.max_backlog) {
+            bail!("redis.max_backlog must be between 1 and 100000000");
         }
         if self.redis.lease_ms() <= self.redis.drain_timeout_ms || self.redis.mode_refresh_ms == 0 {
             bail!(

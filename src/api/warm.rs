@@ -47,6 +47,9 @@ impl From<RedisModeError> for ApiError {
                 )
             },
             RedisModeError::Closed => ApiError::unavailable("the resource is being warmed or switched; retry shortly"),
+            RedisModeError::Backlog => {
+                ApiError::unavailable("the resource's sales are waiting for settlement to catch up; retry shortly")
+            }
             RedisModeError::Superseded => {
                 ApiError::unavailable("another warm or switch of the resource is under way; retry shortly")
             }

@@ -64,6 +64,9 @@ pub enum RedisModeError {
     /// The resource is closed while a warm or a mode switch drains its backlog.
     #[error("the resource is being warmed or switched")]
     Closed,
+    /// Settlement is `[redis] max_backlog` entries behind on the resource: its sales wait.
+    #[error("the resource's sales wait for settlement to catch up")]
+    Backlog,
     /// `"mode": "redis"` on a server without `[redis]`.
     #[error("redis mode needs [redis] to be configured on this server")]
     NotConfigured,
@@ -99,6 +102,8 @@ pub enum Deducted {
     Cold,
     /// Closed while a warm or a mode switch drains its backlog.
     Closed,
+    /// The resource's stream holds `max_backlog` entries not yet settled: nothing written.
+    Backlog,
     /// The limit key's count must be read from the database first (see [`scripts::DEDUCT`]).
     Seed,
 }
@@ -365,7 +370,7 @@ impl RedisMode {
             Some(seed) => invocation.arg(seed.used).arg(seed.epoch),
             None => invocation.arg("").arg(""),
         };
-        invocation.arg(refusal);
+        invocation.arg(refusal).arg(self.settings.max_backlog);
         let mut conn = self.link.conn().await?;
         let reply: Result<(String, String, String, i64), RedisError> = invocation.invoke_async(&mut conn).await;
         let (outcome, code, body, available) = reply.inspect_err(|e| self.link.judge(e))?;
@@ -375,6 +380,7 @@ impl RedisMode {
             "mismatch" => Deducted::Mismatch,
             "cold" => Deducted::Cold,
             "closed" => Deducted::Closed,
+            "backlog" => Deducted::Backlog,
             "seed" => Deducted::Seed,
             _ => Deducted::Fresh { outcome, status, body, available },
         })

@@ -163,6 +163,10 @@ impl RedisMode {
             Deducted::Mismatch => Ok(Idempotent::Mismatch),
             Deducted::Cold => Err(RedisModeError::NotWarmed(target.to_string())),
             Deducted::Closed | Deducted::Seed => Err(RedisModeError::Closed),
+            Deducted::Backlog => {
+                metrics::counter!("stockd_redis_backlog_refusals_total").increment(1);
+                Err(RedisModeError::Backlog)
+            }
         }
     }
 

@@ -24,7 +24,8 @@
 /// ARGV[11] the sold-out channel; ARGV[12] the sold-out message; ARGV[13] "deduct" or
 /// "reserve"; reserve only: ARGV[14] reservation id, ARGV[15] deadline (Unix ms), ARGV[16] the
 /// reservation document; ARGV[17] the limit key's count in the database or "" (not read), and
-/// ARGV[18] the resource's epoch when it was read; ARGV[19] the settlement record of a refusal.
+/// ARGV[18] the resource's epoch when it was read; ARGV[19] the settlement record of a refusal;
+/// ARGV[20] the most entries the resource's stream may hold unsettled (`backlog`).
 ///
 /// A refusal (insufficient, over the limit, inactive) joins the stream too, with its status and
 /// body beside the record (`c`, `b`): settled, it becomes the key's stored outcome in the
@@ -39,7 +40,8 @@
 /// settled). A flash sale on a resource created in redis mode never reads a count.
 ///
 /// Returns `{outcome, code, body, avail}`; outcome is `applied`, `insufficient`, `limit`,
-/// `inactive`, `replay`, `mismatch`, `cold` (not warmed: nothing known), `closed` (draining) or
+/// `inactive`, `replay`, `mismatch`, `cold` (not warmed: nothing known), `closed` (draining),
+/// `backlog` (settlement is that far behind: nothing written, a replay still answered) or
 /// `seed` (read the limit key's count from the database and run again; nothing written).
 /// A success exists only together with its stream entry: both are written by this one script.
 pub const DEDUCT: &str = r#"
@@ -48,9 +50,10 @@ if prev[1] then
   if prev[1] ~= ARGV[4] then return {'mismatch', '422', '', -1} end
   return {'replay', prev[2], prev[3], -1}
 end
-local st = redis.call('HMGET', KEYS[1], 'avail', 'open', 'inactive', 'seed')
+local st = redis.call('HMGET', KEYS[1], 'avail', 'open', 'inactive', 'seed', 'pending')
 if not st[1] then return {'cold', '503', '', -1} end
 if st[2] ~= '1' then return {'closed', '503', '', -1} end
+if tonumber(st[5] or '0') >= tonumber(ARGV[20]) then return {'backlog', '503', '', -1} end
 local qty = tonumber(ARGV[1])
 local avail = tonumber(st[1])
 local used = 0

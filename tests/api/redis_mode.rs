@@ -244,6 +244,45 @@ async fn replays_arriving_together_get_their_own_tenants_answer() {
     }
 }
 
+/// Proves a sale faster than settlement cannot grow Redis without bound: with settlement held
+/// (the database's resources table locked), a resource whose stream holds `[redis]
+/// max_backlog` unsettled sales answers `503 unavailable` with `Retry-After` and sells nothing,
+/// while an answered key still replays and another resource still sells; once settlement
+/// catches up, the same key sells (the 503 was not stored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resource_too_far_behind_in_settlement_answers_503_until_it_catches_up() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "max_backlog = 3\n").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 20).await;
+    create_redis_resource(&shop, "sku-2", 20).await;
+
+    let hold = TableHold::take(app.database_url()).await;
+    let mut answers = Vec::new();
+    for n in 0..3 {
+        let key = format!("k{n}");
+        let reply = shop.order(&key, &deduct_one(&key, "sku-1", 1, None)).await;
+        reply.expect_json(201);
+        answers.push(reply.text);
+    }
+    let behind = shop.order("k3", &deduct_one("k3", "sku-1", 1, None)).await;
+    assert_problem(&behind, 503, "unavailable");
+    assert!(behind.header("retry-after").is_some(), "{:?}", behind.headers);
+    let replay = shop.order("k0", &deduct_one("k0", "sku-1", 1, None)).await;
+    assert_eq!((replay.status(), replay.text.as_str(), replay.replayed()), (201, answers[0].as_str(), true));
+    shop.order("o0", &deduct_one("o0", "sku-2", 1, None)).await.expect_json(201);
+    hold.release().await;
+
+    wait_settled(&shop, "sku-1", 3).await;
+    let sold = shop.order("k3", &deduct_one("k3", "sku-1", 1, None)).await;
+    sold.expect_json(201);
+    assert!(!sold.replayed(), "the 503 was not stored: {}", sold.text);
+    let report = wait_settled(&shop, "sku-1", 4).await;
+    assert_in_line(&report, "sku-1");
+    assert_counts(&shop.state("sku-1").await, 16, 0, 4, 20);
+    let metrics = app.get_anonymous("/metrics").await.text;
+    assert!(metrics.contains("stockd_redis_backlog_refusals_total"), "{metrics}");
+}
+
 /// A settlement consumer that read entries and died before settling them (kill -9 while the
 /// database could not commit) leaves them pending; the process that comes next reclaims them
 /// (XAUTOCLAIM), reads the rest, and applies each of the 10 sales exactly once.
