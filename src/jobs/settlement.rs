@@ -244,19 +244,18 @@ async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, 
             .and_then(|r| r.rsv.as_deref());
         settled.push((id, delta, ended));
     }
-    // Every committed entry's acknowledgement at once: they pipeline on the connection instead
-    // of a round trip each behind the sales' scripts (one after another, a read of 256 entries
-    // took most of a second under load, and settlement fell behind the sales). Each is atomic
-    // and they commute (counters decremented, the last one publishing the settled mark).
-    let acks = join_all(settled.iter().map(|(id, delta, ended)| hot.ack(tenant, key, id, *delta, *ended))).await;
-    let mut acked = 0;
-    for ack in acks {
-        match ack {
-            Ok(()) => acked += 1,
-            Err(err) => tracing::warn!(error = %err, tenant, key, "acknowledging a settled entry failed"),
+    // Every committed entry's acknowledgement in one script call: one after another, a read of
+    // 256 entries took most of a second under load behind the sales' scripts, and each call
+    // costs Redis, which the sales share, more than the acknowledgement itself.
+    let entries: Vec<(&str, i64, Option<&str>)> =
+        settled.iter().map(|(id, delta, ended)| (id.as_str(), *delta, *ended)).collect();
+    match hot.ack(tenant, key, &entries).await {
+        Ok(()) => entries.len(),
+        Err(err) => {
+            tracing::warn!(error = %err, tenant, key, "acknowledging settled entries failed");
+            0
         }
     }
-    acked
 }
 
 /// Settles the records of one read, in stream order, one answer per record (`None`: not a

@@ -488,26 +488,27 @@ impl RedisMode {
         Ok(self.link.query(&cmd).await?)
     }
 
-    /// Acknowledges a settled entry (see [`scripts::ACK`]); `delta` is the entry's `d`;
-    /// `ended` the reservation a move in it ended.
+    /// Acknowledges settled entries of one resource in one call (see [`scripts::ACK`]): each
+    /// its id, its `d` and the reservation a move in it ended.
     pub async fn ack(
         &self,
         tenant: &str,
         key: &str,
-        id: &str,
-        delta: i64,
-        ended: Option<&str>,
+        entries: &[(&str, i64, Option<&str>)],
     ) -> Result<(), RedisModeError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
         let mut invocation = self.ack.key(self.stream_key(tenant, key));
         invocation
             .key(self.resource_key(tenant, key))
             .key(self.reservations_key(tenant, key))
             .arg(GROUP)
-            .arg(id)
-            .arg(delta)
             .arg(self.channel())
-            .arg(soldout::message(soldout::Mark::Settled, tenant, key))
-            .arg(ended.unwrap_or(""));
+            .arg(soldout::message(soldout::Mark::Settled, tenant, key));
+        for (id, delta, ended) in entries {
+            invocation.arg(*id).arg(*delta).arg(ended.unwrap_or(""));
+        }
         let mut conn = self.link.conn().await?;
         let _: i64 = invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
         Ok(())

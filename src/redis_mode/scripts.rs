@@ -193,36 +193,45 @@ redis.call('EXPIRE', KEYS[3], ARGV[7])
 return {'applied', '201', ARGV[8], taken - reversed - qty}
 "#;
 
-/// Acknowledges one settled stream entry: the first acknowledgement (only) removes the entry
-/// and takes it off the backlog, so a redelivered entry is never subtracted twice.
+/// Acknowledges settled stream entries of one resource: the first acknowledgement of an entry
+/// (only) removes it and takes it off the backlog, so a redelivered entry is never subtracted
+/// twice. One call for a read's entries: each would otherwise be a script call of its own.
 ///
 /// KEYS[1] the stream; KEYS[2] the resource hash; KEYS[3] the reservations. ARGV[1] group;
-/// ARGV[2] entry id; ARGV[3] the entry's change of available (`d`); ARGV[4] the sold-out
-/// channel; ARGV[5] the message that the resource is sold out and settled, published when this
-/// was its last unsettled entry and nothing is available (every sale of it is then in the
-/// database); ARGV[6] the reservation a settled move (confirm, release, expiry) ended, or "":
-/// its fields are deleted, the database holding its final state from now on.
+/// ARGV[2] the sold-out channel; ARGV[3] the message that the resource is sold out and
+/// settled, published when no entry is left unsettled and nothing is available (every sale of
+/// it is then in the database); then per entry, from ARGV[4], three arguments: its id, its
+/// change of available (`d`), and the reservation a settled move (confirm, release, expiry)
+/// ended, or "" (its fields are deleted, the database holding its final state from now on).
+/// Returns how many entries were acknowledged now.
 ///
 /// A script that fails half-way keeps its earlier writes, so every argument is checked before
 /// the first write, and the arithmetic is written so that a zero delta stays `0` (Lua's `-0`
 /// reaches Redis as "-0", which HINCRBY refuses).
 pub const ACK: &str = r#"
-local delta = tonumber(ARGV[3])
-if not delta then return redis.error_reply('ack: delta is not a number') end
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('XDEL', KEYS[1], ARGV[2])
-  redis.call('HINCRBY', KEYS[2], 'backlog', 0 - delta)
-  if ARGV[6] ~= '' then
-    local id = ARGV[6]
-    redis.call('HDEL', KEYS[3], id, id .. ':s', id .. ':q', id .. ':l', id .. ':e')
-  end
-  local pending = redis.call('HINCRBY', KEYS[2], 'pending', -1)
-  if pending <= 0 and tonumber(redis.call('HGET', KEYS[2], 'avail') or '1') == 0 then
-    redis.call('PUBLISH', ARGV[4], ARGV[5])
-  end
-  return 1
+if (#ARGV - 3) % 3 ~= 0 then return redis.error_reply('ack: arguments come in threes') end
+for i = 4, #ARGV, 3 do
+  if not tonumber(ARGV[i + 1]) then return redis.error_reply('ack: delta is not a number') end
 end
-return 0
+local acked, delta = 0, 0
+for i = 4, #ARGV, 3 do
+  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    delta = delta + tonumber(ARGV[i + 1])
+    local id = ARGV[i + 2]
+    if id ~= '' then
+      redis.call('HDEL', KEYS[3], id, id .. ':s', id .. ':q', id .. ':l', id .. ':e')
+    end
+    acked = acked + 1
+  end
+end
+if acked == 0 then return 0 end
+if delta ~= 0 then redis.call('HINCRBY', KEYS[2], 'backlog', 0 - delta) end
+local pending = redis.call('HINCRBY', KEYS[2], 'pending', 0 - acked)
+if pending <= 0 and tonumber(redis.call('HGET', KEYS[2], 'avail') or '1') == 0 then
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+end
+return acked
 "#;
 
 /// Closes the resource for sales under a new fencing epoch (docs/REDIS.md, "Fencing"): the
