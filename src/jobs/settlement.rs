@@ -1,10 +1,11 @@
 //! The settlement consumer every process runs: for each redis-mode resource it reads new
 //! entries of the resource's stream as a member of the consumer group, applies them to the
 //! database (a run of deductions as one write, any other record as one of its own, all sharing
-//! group commits), and acknowledges each after the commit. Entries a consumer took and never acknowledged (it died) are
-//! reclaimed with `XAUTOCLAIM` once idle for `claim_idle_ms`. A record the database refuses is
-//! recorded as a settlement failure (and acknowledged: it is kept in the database, not lost).
-//! A record that could not be settled at all (database down) stays pending and is reclaimed.
+//! group commits), and acknowledges them after the commit. Entries a consumer took and never
+//! acknowledged (it died) are reclaimed with `XAUTOCLAIM` once idle for `claim_idle_ms`. A
+//! record the database refuses is recorded as a settlement failure (and acknowledged: it is
+//! kept in the database, not lost). A record that could not be settled at all (database down)
+//! stays pending and is reclaimed.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -260,9 +261,9 @@ async fn apply(hot: &RedisMode, storage: &dyn Storage, tenant: &str, key: &str, 
 
 /// Settles the records of one read, in stream order, one answer per record (`None`: not a
 /// record of this stream, never applied). Consecutive deductions go as one run
-/// ([`crate::storage::redis_store::RedisStore::settle_run`]: their claims, row change, ledger rows, answers and events written
-/// together); any other record is settled on its own. The writes are submitted in stream order
-/// and run concurrently, sharing group commits.
+/// ([`crate::storage::redis_store::RedisStore::settle_run`]: their claims, row change, ledger
+/// rows, answers and events written together); any other record is settled on its own. The
+/// writes are submitted in stream order and run concurrently, sharing group commits.
 async fn settle_all(
     storage: &dyn Storage,
     tenant: &str,
