@@ -97,13 +97,16 @@ impl CoreDb {
 
     async fn remove(self) {
         match self {
-            Self::Sqlite(file) => {
-                for suffix in ["", "-wal", "-shm"] {
-                    let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
-                }
-            }
+            Self::Sqlite(file) => remove_sqlite(&file),
             Self::Fresh(fresh) => fresh.drop_database().await,
         }
+    }
+}
+
+/// Removes a SQLite database file with its WAL and shared-memory files.
+pub(super) fn remove_sqlite(file: &std::path::Path) {
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
     }
 }
 

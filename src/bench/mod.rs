@@ -52,7 +52,7 @@ use serde::Serialize;
 
 use baseline::Naive;
 use load::{Limit, Target, Workload};
-use server::Server;
+use server::{random_hex, DbAccess, Server};
 
 /// The storage backend of the server the bench starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -489,10 +489,19 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                 results.push(row);
             }
             Scenario::Naive(n) => {
-                let Some(db) = &server.db else {
+                let Some(server_db) = &server.db else {
                     eprintln!("bench: skipping {} (no direct database access with --url)", n.name());
                     continue;
                 };
+                // On SQLite a file of its own beside the server's: the baseline's writers would
+                // otherwise hold the server's database, whose writer then cannot begin.
+                let own = match server_db {
+                    DbAccess::Sqlite(path) => {
+                        Some(DbAccess::Sqlite(path.with_file_name(format!("{}-{}.sqlite", n.name(), random_hex(3)))))
+                    }
+                    _ => None,
+                };
+                let db = own.as_ref().unwrap_or(server_db);
                 eprintln!("bench: {} ...", n.name());
                 baseline::setup(db, *n).await.with_context(|| format!("setting up {}", n.name()))?;
                 let probe = storage::Probe::start(db).await;
@@ -501,6 +510,9 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                     Some(p) => p.finish(run.stats.ok).await,
                     None => storage::Usage::default(),
                 };
+                if let Some(DbAccess::Sqlite(file)) = &own {
+                    core::remove_sqlite(file);
+                }
                 let mut row = summarize(n.name(), args, run.stats, run.violations, None);
                 row.storage = usage;
                 row.false_sold_outs = Some(run.report.false_sold_outs);
