@@ -18,13 +18,13 @@
 use std::cell::Cell;
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::{TestCaseError, TestRunner};
 use rusqlite::params;
 
 use super::port::run_now;
 use super::resources;
 use super::settlement;
-use super::tests::{in_savepoint, same_rows, Db, EVENTS, IDEMPOTENCY, LEDGER, RESOURCES, USER_LIMITS};
+use super::tests::{in_savepoint, property_config, same_rows, Db, EVENTS, IDEMPOTENCY, LEDGER, RESOURCES, USER_LIMITS};
 use crate::engine::{Kind, ResourceKey, TenantId};
 use crate::storage::redis_store::{SettleRecord, Settled};
 use crate::storage::NewResource;
@@ -181,13 +181,8 @@ fn run(scenario: &Scenario, stats: &Stats) -> Result<(), TestCaseError> {
 /// cases (default 64).
 #[test]
 fn a_run_settles_as_its_records_settle_one_by_one() {
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
-    let config = Config {
-        cases,
-        source_file: Some(file!()),
-        test_name: Some("apply::settlement_tests::a_run_settles_as_its_records_settle_one_by_one"),
-        ..Config::default()
-    };
+    let config = property_config(file!(), "apply::settlement_tests::a_run_settles_as_its_records_settle_one_by_one");
+    let cases = config.cases;
     let stats = Stats::default();
     let mut runner = TestRunner::new(config);
     if let Err(failure) = runner.run(&scenario(), |scenario| run(&scenario, &stats)) {

@@ -884,6 +884,13 @@ fn run(scenario: &Scenario, stats: &Stats) -> Result<(), TestCaseError> {
     same_rows("bucket rows", &a.rows(BUCKETS), &b.rows(BUCKETS))
 }
 
+/// A property test's configuration: `PROPTEST_CASES` cases (default 64), its regressions kept
+/// beside `source_file` under `test_name`.
+pub(super) fn property_config(source_file: &'static str, test_name: &'static str) -> Config {
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
+    Config { cases, source_file: Some(source_file), test_name: Some(test_name), ..Config::default() }
+}
+
 /// Proves that deciding orders by batch admission ([`batch::admit`], as the SQLite writer
 /// groups them) and deciding each on its own ([`orders::execute`]) give the same answers, the
 /// same ledger rows and the same final state (resources, reservations, per-user limits,
@@ -893,13 +900,8 @@ fn run(scenario: &Scenario, stats: &Stats) -> Result<(), TestCaseError> {
 /// every resource balanced throughout. `PROPTEST_CASES` sets the number of cases (default 64).
 #[test]
 fn batch_admission_and_the_per_order_path_agree() {
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
-    let config = Config {
-        cases,
-        source_file: Some(file!()),
-        test_name: Some("apply::tests::batch_admission_and_the_per_order_path_agree"),
-        ..Config::default()
-    };
+    let config = property_config(file!(), "apply::tests::batch_admission_and_the_per_order_path_agree");
+    let cases = config.cases;
     let stats = Stats::default();
     let mut runner = TestRunner::new(config);
     if let Err(failure) = runner.run(&scenario(), |scenario| run(&scenario, &stats)) {

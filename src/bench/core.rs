@@ -79,7 +79,7 @@ impl CoreDb {
     async fn create(server_db: &DbAccess, w: Workload) -> anyhow::Result<(Self, String, DbAccess)> {
         Ok(match server_db {
             DbAccess::Sqlite(path) => {
-                let file = path.with_file_name(format!("{}-{}.sqlite", name(w), random_hex(3)));
+                let file = sibling_sqlite(path, &name(w));
                 let url = format!("sqlite://{}", file.display());
                 (Self::Sqlite(file.clone()), url, DbAccess::Sqlite(file))
             }
@@ -101,6 +101,11 @@ impl CoreDb {
             Self::Fresh(fresh) => fresh.drop_database().await,
         }
     }
+}
+
+/// A fresh SQLite file for `what` beside the server's database file `path`.
+pub(super) fn sibling_sqlite(path: &std::path::Path, what: &str) -> PathBuf {
+    path.with_file_name(format!("{what}-{}.sqlite", random_hex(3)))
 }
 
 /// Removes a SQLite database file with its WAL and shared-memory files.

@@ -52,7 +52,7 @@ use serde::Serialize;
 
 use baseline::Naive;
 use load::{Limit, Target, Workload};
-use server::{random_hex, DbAccess, Server};
+use server::{DbAccess, Server};
 
 /// The storage backend of the server the bench starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -496,23 +496,26 @@ async fn run_all(args: &BenchArgs, server: &Server, scenarios: &[Scenario]) -> a
                 // On SQLite a file of its own beside the server's: the baseline's writers would
                 // otherwise hold the server's database, whose writer then cannot begin.
                 let own = match server_db {
-                    DbAccess::Sqlite(path) => {
-                        Some(DbAccess::Sqlite(path.with_file_name(format!("{}-{}.sqlite", n.name(), random_hex(3)))))
-                    }
+                    DbAccess::Sqlite(path) => Some(core::sibling_sqlite(path, n.name())),
                     _ => None,
                 };
-                let db = own.as_ref().unwrap_or(server_db);
+                let db = own.clone().map_or_else(|| server_db.clone(), DbAccess::Sqlite);
                 eprintln!("bench: {} ...", n.name());
-                baseline::setup(db, *n).await.with_context(|| format!("setting up {}", n.name()))?;
-                let probe = storage::Probe::start(db).await;
-                let run = baseline::run(db, *n, args.clients, duration).await?;
-                let usage = match probe {
-                    Some(p) => p.finish(run.stats.ok).await,
-                    None => storage::Usage::default(),
-                };
-                if let Some(DbAccess::Sqlite(file)) = &own {
+                let measured = async {
+                    baseline::setup(&db, *n).await.with_context(|| format!("setting up {}", n.name()))?;
+                    let probe = storage::Probe::start(&db).await;
+                    let run = baseline::run(&db, *n, args.clients, duration).await?;
+                    let usage = match probe {
+                        Some(p) => p.finish(run.stats.ok).await,
+                        None => storage::Usage::default(),
+                    };
+                    anyhow::Ok((run, usage))
+                }
+                .await;
+                if let Some(file) = &own {
                     core::remove_sqlite(file);
                 }
+                let (run, usage) = measured?;
                 let mut row = summarize(n.name(), args, run.stats, run.violations, None);
                 row.storage = usage;
                 row.false_sold_outs = Some(run.report.false_sold_outs);

@@ -75,8 +75,8 @@ impl SqlBackend for Pg {
     /// connections of their own that plan each group, see `lookup_pool`).
     const BEGIN: Option<&'static str> = Some("BEGIN; SET LOCAL plan_cache_mode = force_custom_plan");
 
-    /// Jobs that declared `by_key` (settlement: about nine single-row statements a settled
-    /// sale) run under PostgreSQL's default plan caching: planning each of their statements
+    /// Jobs that declared `by_key` (a settlement record settled on its own: about nine
+    /// single-row statements) run under PostgreSQL's default plan caching: planning each of their statements
     /// every time cost more than running it.
     fn plans_by_key<'a>(conn: &'a mut PgConnection, on: bool) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         let statement =

@@ -755,7 +755,7 @@ impl Port for PgPort<'_> {
         .bind(col(o, |x| i32::from(x.response.status)))
         .bind(col(o, |x| x.response.content_type.as_str()))
         .bind(col(o, |x| body_columns(&x.response, x.event.as_deref()).0.map(str::to_owned)))
-        .bind(col(o, |x| body_columns(&x.response, x.event.as_deref()).1.map(str::to_owned)))
+        .bind(col(o, |x| x.event.clone()))
         .bind(col(o, |x| x.at))
         .fetch_all(&mut *self.conn)
         .await?;
