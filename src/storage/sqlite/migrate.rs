@@ -137,6 +137,100 @@ mod tests {
         assert_eq!(index, 0, "the version index is gone");
     }
 
+    /// The opcodes SQLite compiles `sql` to.
+    fn opcodes(conn: &Connection, sql: &str) -> Vec<String> {
+        let mut statement = conn.prepare(&format!("EXPLAIN {sql}")).expect("explain");
+        let unbound =
+            rusqlite::params_from_iter(std::iter::repeat_n(rusqlite::types::Null, statement.parameter_count()));
+        statement
+            .query_map(unbound, |r| r.get::<_, String>(1))
+            .expect("program")
+            .collect::<rusqlite::Result<_>>()
+            .expect("opcodes")
+    }
+
+    /// What an order writes compiles to plain comparisons: a CHECK over a list of three or more
+    /// values is evaluated through a temporary b-tree filled on every execution (0019).
+    #[test]
+    fn the_statements_every_order_writes_with_build_no_temporary_table() {
+        use super::super::port::{INSERT_EVENT, INSERT_LEDGER, INSERT_OUTCOME, INSERT_RESERVATION, MOVE_RESERVATION};
+        let (_dir, mut conn) = fresh();
+        run(&mut conn).expect("migrations");
+        for sql in [INSERT_LEDGER, INSERT_OUTCOME, INSERT_RESERVATION, MOVE_RESERVATION, INSERT_EVENT] {
+            let program = opcodes(&conn, sql);
+            assert!(!program.iter().any(|op| op == "OpenEphemeral"), "{sql} opens a temporary table: {program:?}");
+        }
+    }
+
+    /// 0019 rebuilds the ledger and the reservations: every row is kept as it was (the ledger's
+    /// `seq` included), the indexes are back, and the CHECKs still refuse what they refused.
+    #[test]
+    fn the_rebuilt_tables_keep_their_rows_and_refuse_what_they_refused() {
+        let (_dir, mut conn) = fresh();
+        run_through(&mut conn, 18).expect("migrations up to 0018");
+        conn.execute_batch(
+            "INSERT INTO ledger (seq, tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
+                                 available_after, reserved_after, consumed_after, version_after, plugin_version, at,
+                                 line_key, limit_key, reverses)
+             VALUES (7, 'shop', 'a', 0, 'deduct', 2, 'req_1', 'ord_1', NULL, 8, 0, 2, 2, 3, 100, 'A', 'lim', NULL),
+                    (40, 'shop', 'a', 0, 'reverse', 2, 'req_2', 'ord_1', NULL, 10, 0, 0, 3, NULL, 101, 'A', 'lim',
+                     'req_1'),
+                    (41, 'shop', 'b', 1, 'reserve', 1, 'req_3', 'ord_2', 'rsv_1', 4, 1, 0, 5, NULL, 102, NULL, NULL,
+                     NULL);
+             INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
+             VALUES ('shop', 'rsv_1', 'ord_2', 'held', '[]', 500, 102, 102),
+                    ('shop', 'rsv_0', 'ord_0', 'expired', '[]', 90, 80, 95);",
+        )
+        .expect("rows");
+        let dump = |conn: &Connection| -> Vec<String> {
+            let mut rows = Vec::new();
+            for sql in [
+                "SELECT json_array(seq, tenant_id, resource_key, bucket, op, qty, request_id, order_id,
+                                   reservation_id, available_after, reserved_after, consumed_after,
+                                   version_after, plugin_version, at, line_key, limit_key, reverses)
+                 FROM ledger ORDER BY seq",
+                "SELECT json_array(tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
+                 FROM reservations ORDER BY id",
+                "SELECT name || ' ' || tbl_name FROM sqlite_schema WHERE type = 'index' AND sql IS NOT NULL
+                 AND tbl_name IN ('ledger', 'reservations') ORDER BY name",
+            ] {
+                let mut statement = conn.prepare(sql).expect("select");
+                let found = statement.query_map([], |r| r.get::<_, String>(0)).expect("rows");
+                rows.extend(found.map(|r| r.expect("row")));
+            }
+            rows
+        };
+        let before = dump(&conn);
+        run(&mut conn).expect("the rest");
+        assert_eq!(dump(&conn), before);
+        let next: i64 = conn
+            .query_row(
+                "INSERT INTO ledger (tenant_id, resource_key, op, qty, request_id, available_after, reserved_after,
+                                     consumed_after, version_after, at)
+                 VALUES ('shop', 'a', 'adjust', 1, 'req_4', 11, 0, 0, 4, 103) RETURNING seq",
+                [],
+                |r| r.get(0),
+            )
+            .expect("a new entry");
+        assert_eq!(next, 42, "numbering carries on after the copied entries");
+        let refused = conn.execute(
+            "INSERT INTO ledger (tenant_id, resource_key, op, qty, request_id, available_after, reserved_after,
+                                 consumed_after, version_after, at)
+             VALUES ('shop', 'a', 'steal', 1, 'req_5', 11, 0, 0, 5, 104)",
+            [],
+        );
+        assert!(refused.is_err_and(|e| e.to_string().contains("CHECK")), "an unknown op is refused");
+        let refused = conn.execute("UPDATE reservations SET state = 'lost' WHERE id = 'rsv_1'", []);
+        assert!(refused.is_err_and(|e| e.to_string().contains("CHECK")), "an unknown state is refused");
+        let duplicate = conn.execute(
+            "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, available_after, reserved_after,
+                                 consumed_after, version_after, at)
+             VALUES ('shop', 'a', 0, 'deduct', 2, 'req_1', 6, 0, 4, 6, 105)",
+            [],
+        );
+        assert!(duplicate.is_err_and(|e| e.to_string().contains("UNIQUE")), "the ledger's identity still holds");
+    }
+
     #[test]
     fn a_changed_or_half_applied_migration_stops_the_start() {
         let (_dir, mut conn) = fresh();

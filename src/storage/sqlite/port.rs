@@ -123,19 +123,28 @@ fn change_sql(row: Row, how: Move, gate: Gate) -> &'static str {
     }
 }
 
-const INSERT_LEDGER: &str =
+// The statements every order writes with (besides the guarded UPDATEs), named so that a test can
+// check what SQLite compiles them to (`migrate::tests`).
+pub(super) const INSERT_LEDGER: &str =
     "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
                          available_after, reserved_after, consumed_after, version_after, plugin_version, at,
                          line_key, limit_key, reverses)
      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)";
 
-const INSERT_OUTCOME: &str = "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type,
+pub(super) const INSERT_OUTCOME: &str =
+    "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type,
                                                       response_body, response_event, created_at)
      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)";
 
-const INSERT_RESERVATION: &str =
+pub(super) const INSERT_RESERVATION: &str =
     "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
      VALUES (?1, ?2, ?3, 'held', ?4, ?5, ?6, ?6)";
+
+pub(super) const MOVE_RESERVATION: &str = "UPDATE reservations SET state = ?1, updated_at = ?2
+     WHERE tenant_id = ?3 AND id = ?4 AND state = 'held'";
+
+pub(super) const INSERT_EVENT: &str =
+    "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
 
 /// The writer's connection as a [`Port`].
 pub struct SqlitePort<'c> {
@@ -214,9 +223,7 @@ impl<'c> SqlitePort<'c> {
                  ON CONFLICT (tenant_id) DO UPDATE SET last = last + excluded.last RETURNING last",
             )?
             .query_row(params![first.tenant, n], |row| row.get(0))?;
-        let mut insert = self.conn.prepare_cached(
-            "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-        )?;
+        let mut insert = self.conn.prepare_cached(INSERT_EVENT)?;
         for (e, seq) in events.iter().zip(last - n + 1..) {
             insert.execute(params![e.id, e.tenant, seq, e.kind.as_str(), e.ordering_key, e.at, e.data])?;
             crate::events::written_now(e.kind);
@@ -543,13 +550,7 @@ impl Port for SqlitePort<'_> {
         to: ReservationState,
         now_ms: i64,
     ) -> Result<bool, StorageError> {
-        let moved = self
-            .conn
-            .prepare_cached(
-                "UPDATE reservations SET state = ?1, updated_at = ?2
-                 WHERE tenant_id = ?3 AND id = ?4 AND state = 'held'",
-            )?
-            .execute(params![to.as_str(), now_ms, tenant, id])?;
+        let moved = self.conn.prepare_cached(MOVE_RESERVATION)?.execute(params![to.as_str(), now_ms, tenant, id])?;
         Ok(moved == 1)
     }
 
