@@ -10,7 +10,8 @@ use serde_json::Value;
 use tokio::sync::Barrier;
 
 use crate::helpers::{
-    assert_counts, assert_problem, deduct, entries_with_op, reserve, spawn_app, unique, Reply, TenantClient,
+    assert_counts, assert_problem, assert_problem_status, deduct, entries_with_op, mysql_connect_ansi, reserve,
+    spawn_app, tamper, unique, Backend, Reply, TenantClient,
 };
 
 /// Bound on how long a client keeps retrying `409 idempotency_in_progress`.
@@ -337,4 +338,117 @@ async fn racing_confirm_and_release_settle_once() {
     } else {
         assert_counts(&shop.state("sku-1").await, 10, 0, 0, 10);
     }
+}
+
+/// Makes the database refuse every deduction of `poison` (a trigger on the ledger), behind the
+/// server's back: an order for it fails in the middle of whatever batch it is in.
+async fn poison_deductions(database_url: &str) {
+    use sqlx::Connection;
+    match Backend::from_env() {
+        Backend::Sqlite => {
+            let mut conn = sqlx::SqliteConnection::connect(database_url).await.expect("the test database opens");
+            sqlx::raw_sql(
+                "CREATE TRIGGER poison BEFORE INSERT ON ledger
+                 WHEN NEW.resource_key = 'poison' AND NEW.op = 'deduct'
+                 BEGIN SELECT RAISE(ABORT, 'poisoned'); END",
+            )
+            .execute(&mut conn)
+            .await
+            .expect("the trigger");
+        }
+        Backend::Postgres => {
+            let mut conn = sqlx::PgConnection::connect(database_url).await.expect("the test database opens");
+            sqlx::raw_sql(
+                "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                     IF NEW.resource_key = 'poison' AND NEW.op = 'deduct' THEN RAISE EXCEPTION 'poisoned'; END IF;
+                     RETURN NEW;
+                 END $$;
+                 CREATE TRIGGER poison BEFORE INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION poison();",
+            )
+            .execute(&mut conn)
+            .await
+            .expect("the trigger");
+        }
+        Backend::Mysql => {
+            let mut conn = mysql_connect_ansi(database_url).await;
+            sqlx::raw_sql(
+                "CREATE TRIGGER poison BEFORE INSERT ON ledger FOR EACH ROW
+                 BEGIN
+                     IF NEW.resource_key = 'poison' AND NEW.op = 'deduct' THEN
+                         SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'poisoned';
+                     END IF;
+                 END",
+            )
+            .execute(&mut conn)
+            .await
+            .expect("the trigger");
+        }
+    }
+}
+
+/// An order whose write fails in the middle of a batch fails alone: batch admission, which
+/// decided it with the others, is undone as a whole and the batch decided again order by order,
+/// so every other order of the batch still applies exactly once and the failed one leaves
+/// nothing behind (no ledger entry, no count moved, no stored answer: a retry after the fault is
+/// gone applies it). Bursts of concurrent orders go on until the server reports an admission
+/// that failed (so a mixed batch was seen), within a deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_order_failing_inside_a_batch_fails_alone() {
+    let app = spawn_app().await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-ok", 100_000).await;
+    shop.create_resource("poison", 100_000).await;
+    poison_deductions(app.database_url()).await;
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let (mut applied, mut failed) = (0, Vec::new());
+    let mut round = 0;
+    while !app.logs().contains("batch admission failed") {
+        assert!(tokio::time::Instant::now() < deadline, "no batch mixed a failing order with others");
+        let barrier = Arc::new(Barrier::new(24));
+        let clients = (0..24).map(|client| {
+            let (shop, barrier) = (shop.clone(), barrier.clone());
+            let sku = if client % 6 == 0 { "poison" } else { "sku-ok" };
+            let key = format!("r{round}-c{client}");
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let reply = shop.order(&key, &deduct(&key, &[(sku, 1)])).await;
+                (sku, key, reply)
+            })
+        });
+        for (sku, key, reply) in join_all(clients).await.into_iter().map(|r| r.expect("client task")) {
+            match sku {
+                "sku-ok" => {
+                    assert_eq!(reply.status(), 201, "{key}: {}", reply.text);
+                    applied += 1;
+                }
+                _ => {
+                    let problem = assert_problem_status(&reply, reply.status());
+                    assert!(reply.status() >= 500, "{key}: {}", reply.text);
+                    assert!(!reply.text.contains("poisoned"), "the database's error stays inside: {problem}");
+                    failed.push(key);
+                }
+            }
+        }
+        round += 1;
+    }
+
+    assert_counts(&shop.state("sku-ok").await, 100_000 - applied, 0, applied, 100_000);
+    assert_eq!(entries_with_op(&shop.assert_ledger_replays_to_state("sku-ok").await, "deduct").len() as i64, applied);
+    assert_counts(&shop.state("poison").await, 100_000, 0, 0, 100_000);
+    assert!(entries_with_op(&shop.ledger("poison").await, "deduct").is_empty());
+
+    // Nothing of the failed orders was stored: with the fault gone, a retry applies each once.
+    let drop = match Backend::from_env() {
+        Backend::Postgres => "DROP TRIGGER poison ON ledger",
+        Backend::Sqlite | Backend::Mysql => "DROP TRIGGER poison",
+    };
+    tamper(app.database_url(), &[drop]).await;
+    for key in &failed {
+        shop.order(key, &deduct(key, &[("poison", 1)])).await.expect_json(201);
+    }
+    let n = failed.len() as i64;
+    assert_counts(&shop.state("poison").await, 100_000 - n, 0, n, 100_000);
+    shop.assert_reconciliation_clean(2).await;
 }
