@@ -12,7 +12,6 @@ use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::response::Response;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 use super::error::{ApiError, RATELIMIT, RATELIMIT_POLICY};
 use super::SharedState;
@@ -198,7 +197,7 @@ pub fn request_hash(method: &Method, path: &str, body: &Value) -> String {
     canonical.extend_from_slice(path.as_bytes());
     canonical.push(b'\n');
     write_canonical(body, &mut canonical);
-    hex::encode(Sha256::digest(&canonical))
+    crate::auth::digest_hex(&canonical)
 }
 
 /// The body with every object's keys sorted, written compactly: strings, numbers and literals
@@ -258,6 +257,8 @@ pub fn query<T>(q: Result<axum::extract::Query<T>, axum::extract::rejection::Que
 
 #[cfg(test)]
 mod tests {
+    use sha2::{Digest, Sha256};
+
     use super::*;
 
     #[test]

@@ -146,6 +146,34 @@ pub(super) const MOVE_RESERVATION: &str = "UPDATE reservations SET state = ?1, u
 pub(super) const INSERT_EVENT: &str =
     "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
 
+/// Writes one ledger entry with `statement`, [`INSERT_LEDGER`] prepared.
+fn insert_ledger(
+    statement: &mut rusqlite::CachedStatement<'_>,
+    e: &Entry<'_>,
+    after: Counts,
+) -> Result<(), StorageError> {
+    statement.execute(params![
+        e.tenant,
+        e.resource,
+        e.bucket,
+        e.op.as_str(),
+        e.qty,
+        e.request_id,
+        e.order_id,
+        e.reservation_id,
+        after.available,
+        after.reserved,
+        after.consumed,
+        after.version,
+        e.plugin_version,
+        e.at,
+        e.line_key,
+        e.limit_key,
+        e.reverses
+    ])?;
+    Ok(())
+}
+
 /// The writer's connection as a [`Port`].
 pub struct SqlitePort<'c> {
     conn: &'c Connection,
@@ -188,26 +216,7 @@ impl<'c> SqlitePort<'c> {
     }
 
     fn ledger(&self, e: &Entry<'_>, after: Counts) -> Result<(), StorageError> {
-        self.conn.prepare_cached(INSERT_LEDGER)?.execute(params![
-            e.tenant,
-            e.resource,
-            e.bucket,
-            e.op.as_str(),
-            e.qty,
-            e.request_id,
-            e.order_id,
-            e.reservation_id,
-            after.available,
-            after.reserved,
-            after.consumed,
-            after.version,
-            e.plugin_version,
-            e.at,
-            e.line_key,
-            e.limit_key,
-            e.reverses
-        ])?;
-        Ok(())
+        insert_ledger(&mut self.conn.prepare_cached(INSERT_LEDGER)?, e, after)
     }
 
     /// Writes events of one tenant, numbered next in its sequence. The only writer: numbering as
@@ -698,6 +707,9 @@ impl Port for SqlitePort<'_> {
                 return Err(StorageError::Internal(format!("resource {} changed under the writer", row.key)));
             }
         }
+        // Each statement looked up once for the batch: `prepare_cached` hashes its SQL text at
+        // every call and again when the statement goes back to the cache.
+        let mut ledger = self.conn.prepare_cached(INSERT_LEDGER)?;
         for l in &w.ledger {
             let entry = Entry {
                 tenant: &l.tenant,
@@ -714,8 +726,9 @@ impl Port for SqlitePort<'_> {
                 limit_key: l.limit_key.as_deref(),
                 reverses: None,
             };
-            self.ledger(&entry, l.after)?;
+            insert_ledger(&mut ledger, &entry, l.after)?;
         }
+        drop(ledger);
         for r in &w.reservations {
             self.insert_reservation(r).await?;
         }
@@ -724,9 +737,10 @@ impl Port for SqlitePort<'_> {
                 return Err(StorageError::Internal(format!("reservation {} left held under the writer", m.id)));
             }
         }
+        let mut answers = self.conn.prepare_cached(INSERT_OUTCOME)?;
         for o in &w.outcomes {
             let (body, event) = body_columns(&o.response, o.event.as_deref());
-            self.conn.prepare_cached(INSERT_OUTCOME)?.execute(params![
+            answers.execute(params![
                 o.tenant,
                 o.key,
                 o.request_hash,
