@@ -10,8 +10,8 @@ use serde_json::Value;
 use tokio::sync::Barrier;
 
 use crate::helpers::{
-    assert_counts, assert_problem, assert_problem_status, deduct, entries_with_op, mysql_connect_ansi, reserve,
-    spawn_app, tamper, unique, Backend, Reply, TenantClient,
+    assert_counts, assert_problem, assert_problem_status, deduct, entries_with_op, reserve, spawn_app, tamper, unique,
+    Backend, Reply, TenantClient,
 };
 
 /// Bound on how long a client keeps retrying `409 idempotency_in_progress`.
@@ -343,48 +343,26 @@ async fn racing_confirm_and_release_settle_once() {
 /// Makes the database refuse every deduction of `poison` (a trigger on the ledger), behind the
 /// server's back: an order for it fails in the middle of whatever batch it is in.
 async fn poison_deductions(database_url: &str) {
-    use sqlx::Connection;
-    match Backend::from_env() {
-        Backend::Sqlite => {
-            let mut conn = sqlx::SqliteConnection::connect(database_url).await.expect("the test database opens");
-            sqlx::raw_sql(
-                "CREATE TRIGGER poison BEFORE INSERT ON ledger
-                 WHEN NEW.resource_key = 'poison' AND NEW.op = 'deduct'
-                 BEGIN SELECT RAISE(ABORT, 'poisoned'); END",
-            )
-            .execute(&mut conn)
-            .await
-            .expect("the trigger");
-        }
-        Backend::Postgres => {
-            let mut conn = sqlx::PgConnection::connect(database_url).await.expect("the test database opens");
-            sqlx::raw_sql(
-                "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$
-                 BEGIN
-                     IF NEW.resource_key = 'poison' AND NEW.op = 'deduct' THEN RAISE EXCEPTION 'poisoned'; END IF;
-                     RETURN NEW;
-                 END $$;
-                 CREATE TRIGGER poison BEFORE INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION poison();",
-            )
-            .execute(&mut conn)
-            .await
-            .expect("the trigger");
-        }
-        Backend::Mysql => {
-            let mut conn = mysql_connect_ansi(database_url).await;
-            sqlx::raw_sql(
-                "CREATE TRIGGER poison BEFORE INSERT ON ledger FOR EACH ROW
-                 BEGIN
-                     IF NEW.resource_key = 'poison' AND NEW.op = 'deduct' THEN
-                         SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'poisoned';
-                     END IF;
-                 END",
-            )
-            .execute(&mut conn)
-            .await
-            .expect("the trigger");
-        }
-    }
+    let statements: &[&str] = match Backend::from_env() {
+        Backend::Sqlite => &["CREATE TRIGGER poison BEFORE INSERT ON ledger
+                              WHEN NEW.resource_key = 'poison' AND NEW.op = 'deduct'
+                              BEGIN SELECT RAISE(ABORT, 'poisoned'); END"],
+        Backend::Postgres => &[
+            "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.resource_key = 'poison' AND NEW.op = 'deduct' THEN RAISE EXCEPTION 'poisoned'; END IF;
+                 RETURN NEW;
+             END $$",
+            "CREATE TRIGGER poison BEFORE INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION poison()",
+        ],
+        Backend::Mysql => &["CREATE TRIGGER poison BEFORE INSERT ON ledger FOR EACH ROW
+                             BEGIN
+                                 IF NEW.resource_key = 'poison' AND NEW.op = 'deduct' THEN
+                                     SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'poisoned';
+                                 END IF;
+                             END"],
+    };
+    tamper(database_url, statements).await;
 }
 
 /// An order whose write fails in the middle of a batch fails alone: batch admission, which

@@ -76,8 +76,8 @@ impl SqlBackend for Pg {
     const BEGIN: Option<&'static str> = Some("BEGIN; SET LOCAL plan_cache_mode = force_custom_plan");
 
     /// Jobs that declared `by_key` (a settlement record settled on its own: about nine
-    /// single-row statements) run under PostgreSQL's default plan caching: planning each of their statements
-    /// every time cost more than running it.
+    /// single-row statements) run under PostgreSQL's default plan caching: planning each of
+    /// their statements every time cost more than running it.
     fn plans_by_key<'a>(conn: &'a mut PgConnection, on: bool) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         let statement =
             if on { "SET LOCAL plan_cache_mode = auto" } else { "SET LOCAL plan_cache_mode = force_custom_plan" };
