@@ -73,7 +73,18 @@ impl SqlBackend for Pg {
     /// in redis mode read its key's outcome by such a lookup: 92 -> 196 us of PostgreSQL CPU per
     /// sale with every connection planning each time; those reads are grouped now, on
     /// connections of their own that plan each group, see `lookup_pool`).
-    const BEGIN: Option<&'static str> = Some("BEGIN; SET LOCAL plan_cache_mode = force_custom_plan");
+    ///
+    /// And every join of a batch is a nested loop: a batch's arrays are bounded (`max_batch`
+    /// jobs), its tables are not, so looking each row up by key is right at any size, while a
+    /// hash or merge join reads the whole table. The planner costs a page read as if from disk
+    /// and picks the whole read once the arrays pass some dozens of keys (on 10,000 resources
+    /// at ~60 distinct rows: 4.2 ms against 0.6 by key), as every `multi-line` batch did: its
+    /// orders cost PostgreSQL ~40 % less CPU without (docs/PERFORMANCE.md, tenth session).
+    /// A disabled join method is still taken where a statement has no other.
+    const BEGIN: Option<&'static str> = Some(
+        "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan; \
+         SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off",
+    );
 
     /// Jobs that declared `by_key` (a settlement record settled on its own: about nine
     /// single-row statements) run under PostgreSQL's default plan caching: planning each of
