@@ -20,6 +20,7 @@ mod helpers;
 mod idempotency;
 mod isolation;
 mod jobs;
+mod ledger_keys;
 mod nats_sink;
 mod openapi;
 mod ops;
