@@ -340,9 +340,14 @@ impl TestApp {
     /// listening line.
     async fn start(&mut self) {
         assert!(self.child.is_none(), "start() while a server process is running");
+        // The server's temporary files (its plugin compiler's directory) go under the test's
+        // own directory: a process the test kills cannot remove them, its TempDir does.
+        let tmp = self.dir.path().join("tmp");
+        std::fs::create_dir_all(&tmp).expect("the test's temporary directory");
         let mut command = Command::new(env!("CARGO_BIN_EXE_stockd"));
         command
             .arg("serve")
+            .env("TMPDIR", &tmp)
             .arg("--config")
             .arg(&self.config_path)
             .current_dir(self.dir.path())
