@@ -168,9 +168,9 @@ pub(super) fn held_reservation(
     now_ms: i64,
 ) -> Result<(NewReservation, NewEvent), StorageError> {
     let row = NewReservation {
-        tenant: job.tenant.to_string(),
+        tenant: job.tenant.as_str().to_owned(),
         id: id.to_string(),
-        order_id: job.order.order_id.to_string(),
+        order_id: job.order.order_id.as_str().to_owned(),
         lines: serde_json::to_string(&lines).map_err(|e| StorageError::Internal(e.to_string()))?,
         expires_at: expires_at.0,
         created_at: now_ms,

@@ -592,8 +592,8 @@ fn declared_rows<B: SqlBackend>(batch: &mut [Box<dyn Queued<B>>]) -> Vec<(String
     let mut rows: Vec<(String, String)> = batch.iter().flat_map(|job| job.locks()).cloned().collect();
     for job in batch.iter_mut() {
         if let Some(Admissible::Order(order)) = job.admissible() {
-            let tenant = order.job.tenant.to_string();
-            rows.extend(order.job.plan.resources().map(|key| (tenant.clone(), key.to_string())));
+            let tenant = order.job.tenant.as_str().to_owned();
+            rows.extend(order.job.plan.resources().map(|key| (tenant.clone(), key.as_str().to_owned())));
         }
     }
     rows.sort_unstable();

@@ -127,9 +127,17 @@ impl ContentType {
     }
 }
 
+/// Room for an answer's JSON before it is written: a one-line order's is ~260 bytes, a
+/// five-line order's ~1 KiB.
+const BODY_CAPACITY: usize = 1024;
+
 impl StoredResponse {
+    /// Written into a buffer of [`BODY_CAPACITY`]: `serde_json::to_string` starts at 128 bytes
+    /// and grows by reallocating, two or three times for an order's answer.
     pub fn json<T: serde::Serialize>(status: u16, value: &T) -> Result<Self, StorageError> {
-        let body = serde_json::to_string(value).map_err(|e| StorageError::Internal(e.to_string()))?;
+        let mut bytes = Vec::with_capacity(BODY_CAPACITY);
+        serde_json::to_writer(&mut bytes, value).map_err(|e| StorageError::Internal(e.to_string()))?;
+        let body = String::from_utf8(bytes).map_err(|e| StorageError::Internal(e.to_string()))?;
         Ok(Self { status, content_type: ContentType::Json, body })
     }
 

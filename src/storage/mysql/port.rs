@@ -96,6 +96,7 @@ pub(super) async fn lock_resources(
     if rows.is_empty() {
         return Ok(Vec::new());
     }
+    // The batcher reads these columns by position (`rows::locked_rows`).
     let sql = format!(
         "SELECT tenant_id, `key`, kind, status, mode, buckets, available, reserved, consumed, version, low_stock, stock
          FROM resources WHERE (tenant_id, `key`) IN ({}) ORDER BY tenant_id, `key` FOR UPDATE{}",

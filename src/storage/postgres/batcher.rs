@@ -104,7 +104,7 @@ async fn lock_declared_rows(conn: &mut PgConnection, rows: &[(String, String)]) 
     }
     let (tenants, keys): (Vec<&str>, Vec<&str>) = rows.iter().map(|(t, k)| (t.as_str(), k.as_str())).unzip();
     // In a locking SELECT the sort runs first and rows are locked as they leave it, so the
-    // locks are taken in this order.
+    // locks are taken in this order. The columns are read by position (`rows::locked_rows`).
     sqlx::query(
         "SELECT r.tenant_id, r.key, r.kind, r.status, r.mode, r.buckets, r.available, r.reserved, r.consumed, r.version,
                 r.low_stock, r.stock

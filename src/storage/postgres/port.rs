@@ -783,8 +783,8 @@ impl Port for PgPort<'_> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let tenants: Vec<String> = keys.iter().map(|(t, _)| t.to_string()).collect();
-        let names: Vec<String> = keys.iter().map(|(_, i)| i.key.to_string()).collect();
+        let tenants: Vec<String> = keys.iter().map(|(t, _)| t.as_str().to_owned()).collect();
+        let names: Vec<String> = keys.iter().map(|(_, i)| i.key.as_str().to_owned()).collect();
         let mut stored = self.stored_outcomes(&tenants, &names).await?;
         Ok(keys
             .iter()
