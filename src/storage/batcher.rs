@@ -55,11 +55,13 @@ pub(crate) trait SqlBackend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<Option<Reservation>>, StorageError>>;
 
     /// Locks the resource rows `(tenant, key)` (sorted, once each) in the global order and
-    /// returns them as they are now; rows that do not exist are not locked.
+    /// returns them as they are now; rows that do not exist are not locked. The outer error is
+    /// the locking read's own; the inner one, rows it read and locked but could not parse (a
+    /// value this server does not know): the batch can still go on without admission.
     fn lock_rows<'a>(
         conn: &'a mut Conn<Self>,
         rows: &'a [(String, String)],
-    ) -> BoxFuture<'a, Result<LockedRows, StorageError>>;
+    ) -> BoxFuture<'a, Result<Result<LockedRows, StorageError>, StorageError>>;
 
     /// [`apply::batch::admit`] over the backend's port.
     fn admit<'a>(
@@ -321,8 +323,9 @@ impl BatchFailure {
         }
     }
 
-    /// Sorts an error of the locking read: a passing one reruns the batch; rows the backend could
-    /// not read (a bug) rerun it without admission, which does not read them.
+    /// Sorts an error of the locking read: a passing one reruns the batch; any other (rows the
+    /// backend could not parse, say) reruns it without admission, which still locks the rows
+    /// but does not look at them (a locking read that fails as such fails that rerun too).
     fn of_locking(err: StorageError) -> Self {
         match err {
             StorageError::Unavailable(why) => BatchFailure::Retry(why),
@@ -564,10 +567,13 @@ async fn lock_and_admit<B: SqlBackend>(
         all.dedup();
         std::borrow::Cow::Owned(all)
     };
-    let rows = B::lock_rows(tx, &rows).await.map_err(BatchFailure::of_locking)?;
+    let locked = B::lock_rows(tx, &rows).await.map_err(BatchFailure::of_locking)?;
     if !decide {
+        // Locked in the global order all the same; rows that could not be parsed concern only
+        // the jobs that name them, which find out on their own.
         return Ok(());
     }
+    let rows = locked.map_err(BatchFailure::of_locking)?;
     let jobs: Vec<(&OrderJob, i64)> = orders.iter().map(|o| (&*o.job, o.now_ms)).collect();
     let decided = B::admit(tx, &jobs, &moving, found, rows).await.map_err(BatchFailure::of_admission)?;
     for (order, outcome) in orders.into_iter().zip(decided.orders) {

@@ -44,8 +44,8 @@ impl SqlBackend for My {
     fn lock_rows<'a>(
         conn: &'a mut MySqlConnection,
         rows: &'a [(String, String)],
-    ) -> BoxFuture<'a, Result<LockedRows, StorageError>> {
-        Box::pin(async move { crate::storage::rows::locked_rows(&lock_declared_rows(conn, rows).await?) })
+    ) -> BoxFuture<'a, Result<Result<LockedRows, StorageError>, StorageError>> {
+        Box::pin(async move { Ok(crate::storage::rows::locked_rows(&lock_declared_rows(conn, rows).await?)) })
     }
 
     fn admit<'a>(
