@@ -438,17 +438,17 @@ async fn an_order_failing_inside_a_batch_fails_alone() {
     shop.assert_reconciliation_clean(2).await;
 }
 
-/// Gives another tenant's `unreadable` row a kind this server does not know (as a newer
-/// version's might), behind the server's back, past the schema's CHECK.
-async fn make_unreadable(database_url: &str, tenant: &str) {
+/// Sets the kind of `tenant`'s row `unreadable` behind the server's back, past the schema's
+/// CHECK: `gift-card` is a kind this server does not know (as a newer version's might).
+async fn set_kind(database_url: &str, tenant: &str, kind: &str) {
     let update =
-        format!("UPDATE resources SET kind = 'gift-card' WHERE tenant_id = '{tenant}' AND \"key\" = 'unreadable'");
-    let statements: Vec<&str> = match Backend::from_env() {
-        Backend::Sqlite => vec!["PRAGMA ignore_check_constraints = ON", &update],
-        Backend::Postgres => vec!["ALTER TABLE resources DROP CONSTRAINT resources_kind_check", &update],
-        Backend::Mysql => vec!["SET SESSION check_constraint_checks = 0", &update],
+        format!("UPDATE resources SET kind = '{kind}' WHERE tenant_id = '{tenant}' AND \"key\" = 'unreadable'");
+    let past_check = match Backend::from_env() {
+        Backend::Sqlite => "PRAGMA ignore_check_constraints = ON",
+        Backend::Postgres => "ALTER TABLE resources DROP CONSTRAINT IF EXISTS resources_kind_check",
+        Backend::Mysql => "SET SESSION check_constraint_checks = 0",
     };
-    tamper(database_url, &statements).await;
+    tamper(database_url, &[past_check, &update]).await;
 }
 
 /// A resource row the server cannot read never fails another tenant's orders: a batch that
@@ -465,7 +465,7 @@ async fn a_row_the_server_cannot_read_never_fails_another_tenants_orders() {
     let other = app.create_tenant("other").await;
     shop.create_resource("sku-ok", 100_000).await;
     other.create_resource("unreadable", 100_000).await;
-    make_unreadable(app.database_url(), &other.id).await;
+    set_kind(app.database_url(), &other.id, "gift-card").await;
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let (mut applied, mut applied_unreadable) = (0, 0);
@@ -500,9 +500,7 @@ async fn a_row_the_server_cannot_read_never_fails_another_tenants_orders() {
     assert_counts(&shop.state("sku-ok").await, 100_000 - applied, 0, applied, 100_000);
     assert_eq!(entries_with_op(&shop.assert_ledger_replays_to_state("sku-ok").await, "deduct").len() as i64, applied);
     // Readable again, the row holds exactly the orders that were answered 201 for it.
-    let readable =
-        format!("UPDATE resources SET kind = 'inventory' WHERE tenant_id = '{}' AND \"key\" = 'unreadable'", other.id);
-    tamper(app.database_url(), &[&readable]).await;
+    set_kind(app.database_url(), &other.id, "inventory").await;
     assert_counts(&other.state("unreadable").await, 100_000 - applied_unreadable, 0, applied_unreadable, 100_000);
     let taken = entries_with_op(&other.assert_ledger_replays_to_state("unreadable").await, "deduct").len() as i64;
     assert_eq!(taken, applied_unreadable, "the orders naming the unreadable row that answered 201, each once");
