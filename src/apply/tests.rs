@@ -613,11 +613,19 @@ impl Db {
         let mut statement = self.conn.prepare(sql).expect("a valid query");
         let columns = statement.column_count();
         let rows: Vec<Vec<Value>> = statement
-            .query_map([], |row| (0..columns).map(|i| row.get::<_, Value>(i)).collect())
+            .query_map([], |row| (0..columns).map(|i| row.get::<_, Value>(i).map(unpacked)).collect())
             .expect("a query")
             .collect::<rusqlite::Result<_>>()
             .expect("rows");
         rows.iter().map(|row| self.ids.debug(row)).collect()
+    }
+}
+
+/// A stored payload as the JSON it holds (its ids then normalized like every other column's).
+fn unpacked(value: Value) -> Value {
+    match value {
+        Value::Text(text) => Value::Text(crate::storage::payload::unpack(text).expect("a stored payload")),
+        other => other,
     }
 }
 

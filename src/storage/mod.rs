@@ -7,6 +7,7 @@ pub(crate) mod batcher;
 pub(crate) mod held_events;
 pub(crate) mod lookups;
 pub mod mysql;
+pub mod payload;
 pub mod postgres;
 pub mod redis_store;
 pub mod rows;
@@ -143,10 +144,11 @@ impl StoredResponse {
 
     /// A response as an idempotency record stores it (`response_code, response_type,
     /// response_body`).
+    /// `body` as stored ([`payload::unpack`]).
     pub fn from_db(code: i64, kind: &str, body: String) -> Result<Self, StorageError> {
         let status = u16::try_from(code)
             .map_err(|_| StorageError::Internal("unexpected stored value in idempotency.response_code".into()))?;
-        Ok(Self { status, content_type: ContentType::from_db(kind), body })
+        Ok(Self { status, content_type: ContentType::from_db(kind), body: payload::unpack(body)? })
     }
 
     /// A record's response from its columns as read through [`outcome_columns!`] (the body
@@ -181,11 +183,15 @@ impl StoredResponse {
 /// `response`. An applied order's answer is, byte for byte, the payload of the `order.applied`
 /// event written in the same transaction: the record keeps that event's id (`event`) and not the
 /// body, so the document is stored once. Reads join the event back ([`outcome_columns!`]); the
-/// events purge keeps events at least [`EVENTS_OUTLIVE_RECORDS`] longer than records.
-pub fn body_columns<'a>(response: &'a StoredResponse, event: Option<&'a str>) -> (Option<&'a str>, Option<&'a str>) {
+/// events purge keeps events at least [`EVENTS_OUTLIVE_RECORDS`] longer than records. A body
+/// kept in the record is stored packed ([`payload::pack`]), like every event's payload.
+pub fn body_columns<'a>(
+    response: &'a StoredResponse,
+    event: Option<&'a str>,
+) -> (Option<std::borrow::Cow<'a, str>>, Option<&'a str>) {
     match event {
         Some(id) => (None, Some(id)),
-        None => (Some(response.body.as_str()), None),
+        None => (Some(payload::pack(&response.body)), None),
     }
 }
 

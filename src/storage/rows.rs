@@ -79,7 +79,7 @@ pub fn event(row: &dyn Columns) -> Result<crate::events::Event, StorageError> {
         kind: row.text("type")?,
         ordering_key: row.text("ordering_key")?,
         at: row.int("at")?,
-        data: row.text("data")?,
+        data: super::payload::unpack(row.text("data")?)?,
     })
 }
 

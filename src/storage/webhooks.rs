@@ -70,7 +70,7 @@ pub fn claimed(row: &dyn Columns) -> Result<Claimed, StorageError> {
             kind: row.text("type")?,
             ordering_key: row.text("ordering_key")?,
             at: row.int("at")?,
-            data: row.text("data")?,
+            data: super::payload::unpack(row.text("data")?)?,
         }),
         None => None,
     };

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use sqlx::Connection;
 
-use crate::helpers::{deduct, mysql_connect_ansi, spawn_app_with, AppOptions, Backend, TestApp};
+use crate::helpers::{deduct, mysql_connect_ansi, spawn_app_with, AppOptions, Backend, TenantClient, TestApp};
 use crate::redis_support::{
     create_redis_resource, deduct_one, order_through_503, redis_app, redis_conn, shared_redis_url, stream_key,
     wait_settled,
@@ -81,6 +81,19 @@ impl Db {
             Db::Mysql(conn) => sqlx::query_as(sql).fetch_one(conn).await,
         };
         n.unwrap_or_else(|e| panic!("{sql}: {e}")).0
+    }
+
+    async fn text(&mut self, sql: &str) -> String {
+        let t: Result<(String,), _> = match self {
+            Db::Sqlite(conn) => sqlx::query_as(sql).fetch_one(conn).await,
+            Db::Postgres(conn) => sqlx::query_as(sql).fetch_one(conn).await,
+            // A binary-collated text column reads as bytes.
+            Db::Mysql(conn) => sqlx::query_as(sql)
+                .fetch_one(conn)
+                .await
+                .map(|(b,): (Vec<u8>,)| (String::from_utf8(b).expect("UTF-8 text"),)),
+        };
+        t.unwrap_or_else(|e| panic!("{sql}: {e}")).0
     }
 }
 
@@ -293,4 +306,63 @@ async fn a_replayed_order_answers_from_its_event_which_outlives_the_record() {
     assert!(again.replayed(), "marked Idempotent-Replayed: true");
     let refused_again = shop.order("rejected", &rejected).await;
     assert_eq!((refused_again.status(), refused_again.text.as_str()), (409, refusal.text.as_str()));
+}
+
+/// Answers and events are stored deflated against a dictionary (src/storage/payload.rs): an
+/// applied order's `order.applied` payload and a rejected order's record in under a third of
+/// their bytes, and read back byte for byte: a replay answers the same bytes, the feed carries
+/// the document as answered. Values a server stored before, plain JSON, read as they were.
+#[tokio::test]
+async fn answers_are_stored_deflated_and_read_back_byte_for_byte() {
+    let app = spawn_app_with(AppOptions::default()).await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 5).await;
+    shop.create_resource("sku-2", 5).await;
+    let applied = deduct("ORD-applied", &[("sku-1", 1), ("sku-2", 2)]);
+    let first = shop.order("applied", &applied).await;
+    assert_eq!(first.status(), 201, "{}", first.text);
+    let rejected = deduct("ORD-rejected", &[("sku-1", 100)]);
+    let refusal = shop.order("rejected", &rejected).await;
+    assert_eq!(refusal.status(), 409, "{}", refusal.text);
+
+    let mut db = Db::connect(&app).await;
+    let event_data =
+        "SELECT data FROM events WHERE tenant_id = 'shop' AND ordering_key = 'order:ORD-applied' AND type = 'order.applied'";
+    let record_body = "SELECT response_body FROM idempotency WHERE tenant_id = 'shop' AND \"key\" = 'rejected'";
+    for (what, sql, answer) in [("the event", event_data, &first.text), ("the record", record_body, &refusal.text)] {
+        let stored = db.text(sql).await;
+        assert!(stored.starts_with("~1"), "{what} is stored deflated: {stored}");
+        assert!(stored.len() * 3 < answer.len(), "{what}: {} bytes stored for {}", stored.len(), answer.len());
+    }
+
+    read_back(&shop, [(&applied, &first.text), (&rejected, &refusal.text)]).await;
+
+    // As a server before this format stored them: plain JSON, read as it is.
+    let plain = |text: &str| text.replace('\'', "''");
+    db.execute(&format!(
+        "UPDATE events SET data = '{}' WHERE tenant_id = 'shop' AND ordering_key = 'order:ORD-applied'
+         AND type = 'order.applied'",
+        plain(&first.text)
+    ))
+    .await;
+    db.execute(&format!(
+        "UPDATE idempotency SET response_body = '{}' WHERE tenant_id = 'shop' AND \"key\" = 'rejected'",
+        plain(&refusal.text)
+    ))
+    .await;
+    assert!(db.text(event_data).await.starts_with('{'));
+    read_back(&shop, [(&applied, &first.text), (&rejected, &refusal.text)]).await;
+}
+
+/// Each order replayed (keys `applied`, `rejected`) answers exactly its first answer, and the
+/// feed's `order.applied` event carries the applied one's document.
+async fn read_back(shop: &TenantClient, orders: [(&serde_json::Value, &String); 2]) {
+    for ((body, answer), key) in orders.iter().zip(["applied", "rejected"]) {
+        let again = shop.order(key, body).await;
+        assert_eq!(&again.text, *answer, "{key}: same bytes");
+        assert!(again.replayed(), "{key}");
+    }
+    let page = shop.get("/v1/events?types=order.applied").await.expect_json(200);
+    let answered: serde_json::Value = serde_json::from_str(orders[0].1).expect("the answer is JSON");
+    assert_eq!(page["items"][0]["data"], answered, "the feed carries the document as answered");
 }

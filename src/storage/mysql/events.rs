@@ -63,7 +63,7 @@ pub(crate) async fn seal(conn: &mut MySqlConnection) -> Result<Vec<String>, sqlx
             .bind(h.kind.as_str())
             .bind(&h.ordering_key)
             .bind(h.at)
-            .bind(&h.data);
+            .bind(crate::storage::payload::pack(&h.data));
     }
     insert.execute(&mut *conn).await?;
     Ok(held.iter().map(|h| h.kind.as_str().to_string()).collect())

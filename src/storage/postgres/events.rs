@@ -40,7 +40,7 @@ pub(crate) async fn seal(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::E
     .bind(col(&held, |h| h.kind.as_str()))
     .bind(col(&held, |h| h.ordering_key.clone()))
     .bind(col(&held, |h| h.at))
-    .bind(col(&held, |h| h.data.clone()))
+    .bind(col(&held, |h| crate::storage::payload::pack(&h.data).into_owned()))
     .fetch_all(conn)
     .await
 }

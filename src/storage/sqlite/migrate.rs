@@ -40,6 +40,13 @@ fn run_through(conn: &mut Connection, last: i64) -> Result<(), StorageError> {
             applied.insert(version, record);
         }
     }
+    // A database a newer version migrated may hold what this version cannot read (answers
+    // stored in a newer format): refuse to start on it, as sqlx does on the other backends.
+    if let Some(unknown) = applied.keys().filter(|v| !MIGRATIONS.iter().any(|m| m.version == **v)).min() {
+        return Err(failed(format!(
+            "the database was migrated by a newer version of stockd (migration {unknown} is unknown to this one)"
+        )));
+    }
     for migration in MIGRATIONS.iter().filter(|m| !m.migration_type.is_down_migration() && m.version <= last) {
         match applied.get(&migration.version) {
             Some((false, _)) => {
@@ -84,6 +91,20 @@ mod tests {
             conn.query_row("SELECT COUNT(*) FROM _sqlx_migrations WHERE success", [], |r| r.get(0)).expect("count");
         assert_eq!(recorded as usize, MIGRATIONS.iter().count());
         conn.query_row("SELECT COUNT(*) FROM resources", [], |r| r.get::<_, i64>(0)).expect("the schema exists");
+    }
+
+    #[test]
+    fn a_database_a_newer_version_migrated_is_refused() {
+        let (_dir, mut conn) = fresh();
+        run(&mut conn).expect("first run");
+        conn.execute(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+             VALUES (99999, 'from the future', TRUE, x'00', 0)",
+            [],
+        )
+        .expect("a record");
+        let refused = run(&mut conn).expect_err("a newer database is refused").to_string();
+        assert!(refused.contains("migration 99999 is unknown"), "{refused}");
     }
 
     /// Proves the move of reconciliation's watermark from versions to `seq` (0017) keeps each

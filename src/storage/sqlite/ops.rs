@@ -8,7 +8,7 @@ use super::port::mapped;
 use crate::engine::TenantId;
 use crate::events::Event;
 use crate::ratelimit::RateLimit;
-use crate::storage::{rows, rules};
+use crate::storage::{payload, rows, rules};
 use crate::storage::{Insert, NewApiKey, PageFrom, PluginUpload, PluginVersion, StorageError};
 
 impl From<rusqlite::Error> for StorageError {
@@ -148,7 +148,11 @@ pub fn events_page(
             data: row.get(6)?,
         })
     })?;
-    Ok(from.arrange(rows.collect::<Result<Vec<_>, _>>()?))
+    let mut events = rows.collect::<Result<Vec<_>, _>>()?;
+    for event in &mut events {
+        event.data = payload::unpack(std::mem::take(&mut event.data))?;
+    }
+    Ok(from.arrange(events))
 }
 
 /// Deletes up to `limit` events written before `before_ms`, oldest first.

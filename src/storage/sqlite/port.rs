@@ -23,7 +23,7 @@ use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL, STORED_OUTCOME_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{
-    body_columns, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
+    body_columns, payload, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
 };
 
 pub(super) fn corrupt(what: &str) -> StorageError {
@@ -234,7 +234,15 @@ impl<'c> SqlitePort<'c> {
             .query_row(params![first.tenant, n], |row| row.get(0))?;
         let mut insert = self.conn.prepare_cached(INSERT_EVENT)?;
         for (e, seq) in events.iter().zip(last - n + 1..) {
-            insert.execute(params![e.id, e.tenant, seq, e.kind.as_str(), e.ordering_key, e.at, e.data])?;
+            insert.execute(params![
+                e.id,
+                e.tenant,
+                seq,
+                e.kind.as_str(),
+                e.ordering_key,
+                e.at,
+                payload::pack(&e.data)
+            ])?;
             crate::events::written_now(e.kind);
         }
         Ok(())

@@ -1,0 +1,6 @@
+-- From this version on an event's `data` and an idempotency record's `response_body` are stored
+-- packed (src/storage/payload.rs): plain JSON as before, or `~1` and the JSON deflated against a
+-- fixed dictionary, in URL-safe base64. Nothing is rewritten: both forms read back. No
+-- statement: the record of this migration is the mark. From this version on the server refuses
+-- a database that a newer version migrated (src/storage/sqlite/migrate.rs); an older version
+-- does not check, so stop every older process before the upgrade (docs/OPERATIONS.md, Upgrades).
