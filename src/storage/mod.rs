@@ -4,6 +4,7 @@
 //! integration suite run against every backend.
 
 pub(crate) mod batcher;
+mod deflate_fixed;
 pub(crate) mod held_events;
 pub(crate) mod lookups;
 pub mod mysql;
