@@ -115,6 +115,10 @@ acquire_timeout_ms = 60000
 [reconciliation]
 interval_seconds = 0
 EOF
+    # The background job opens its redirections after the fork: without the file in place first,
+    # the first read below can run before it exists and fail the script (seen when the machine
+    # was busy).
+    : >"$WORK/run/server.out"
     STOCKD_DATABASE_URL="$db_url" STOCKD_ADMIN_TOKEN="$TOKEN" RUST_LOG=warn \
         valgrind --tool=callgrind --separate-threads=no --dump-instr=no --dump-line=no \
         --callgrind-out-file="$WORK/run/callgrind.out.%p" \
