@@ -724,6 +724,43 @@ mod tests {
         assert_eq!(check, "ok");
     }
 
+    /// A transaction larger than the page cache spills pages to the WAL before it commits and
+    /// reads them back from there (gathered writes are handed over before any read); one rolled
+    /// back leaves nothing behind, and the next commit is whole. Readers see none of it early.
+    #[test]
+    fn a_transaction_that_spills_reads_its_own_pages_back() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let (path, mut conn) = writer_in(dir.path(), true);
+        conn.pragma_update(None, "cache_size", 50).expect("a cache of 50 pages");
+        let reader = rusqlite::Connection::open(&path).expect("a reader");
+        let count = |c: &rusqlite::Connection| -> i64 {
+            c.query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0)).expect("a count")
+        };
+        let sum = |c: &rusqlite::Connection| -> i64 {
+            c.query_row("SELECT COALESCE(SUM(length(x)), 0) FROM t", [], |r| r.get(0)).expect("a sum")
+        };
+        for keep in [false, true] {
+            let tx = conn.transaction().expect("a transaction");
+            for row in 0..2_000_i64 {
+                // ~2,000 pages: forty times the cache.
+                tx.execute("INSERT INTO t VALUES (?1, randomblob(3000))", [row]).expect("a row");
+            }
+            // Every page read back, most of them from the WAL the transaction spilled to.
+            assert_eq!(count(&tx), 2_000);
+            assert_eq!(sum(&tx), 2_000 * 3_000);
+            assert_eq!(count(&reader), 0, "nothing is visible before the commit");
+            if keep {
+                tx.commit().expect("a commit");
+            } else {
+                tx.rollback().expect("a rollback");
+                assert_eq!(count(&conn), 0);
+            }
+        }
+        assert_eq!((count(&reader), sum(&reader)), (2_000, 2_000 * 3_000));
+        let check: String = reader.query_row("PRAGMA integrity_check", [], |r| r.get(0)).expect("a check");
+        assert_eq!(check, "ok");
+    }
+
     /// With `synchronous = NORMAL` a commit publishes its frames without a sync, the moment the
     /// gathering relies on: the writer keeps SQLite's own VFS, a write call per frame part.
     #[test]
