@@ -192,7 +192,7 @@ impl SqliteStorage {
 fn open_writer(path: &Path, settings: &SqliteSettings) -> Result<rusqlite::Connection, StorageError> {
     // The first connection this process opens: SQLite's own settings go first.
     library::configure();
-    // A commit's WAL frames handed to the kernel in one write (`walbuf`), when commits sync.
+    // A commit's WAL frames handed to the kernel in a few writes (`walbuf`), when commits sync.
     let conn = match walbuf::for_writer(settings.synchronous_full) {
         Some(vfs) => rusqlite::Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), vfs)?,
         None => rusqlite::Connection::open(path)?,
@@ -671,6 +671,18 @@ mod tests {
         io.lines().find_map(|l| l.strip_prefix("syscw:")).and_then(|n| n.trim().parse().ok()).expect("a syscw line")
     }
 
+    /// Commits rows `first..first + 50` of ~3,000 random bytes each (a leaf each: ~50 WAL frames)
+    /// in one transaction, and answers the write system calls it took.
+    fn write_calls_of_a_commit(conn: &mut rusqlite::Connection, first: i64) -> u64 {
+        let before = writes_of_this_thread();
+        let tx = conn.transaction().expect("a transaction");
+        for row in first..first + 50 {
+            tx.execute("INSERT INTO t VALUES (?1, randomblob(3000))", [row]).expect("a row");
+        }
+        tx.commit().expect("a commit");
+        writes_of_this_thread() - before
+    }
+
     /// The writer's connection to a new database in `dir` holding a table `t (n, x)`, with
     /// `synchronous` FULL or NORMAL, and the database's path.
     fn writer_in(dir: &Path, synchronous_full: bool) -> (PathBuf, rusqlite::Connection) {
@@ -690,7 +702,7 @@ mod tests {
     }
 
     /// With `synchronous = FULL` the writer's connection hands a commit's WAL frames to the
-    /// kernel in one write (`walbuf`), not two a frame; another connection sees every row of every
+    /// kernel in a few writes (`walbuf`), not two a frame; another connection sees every row of every
     /// commit, and so does a new one after the writer's connection is gone without a checkpoint.
     #[test]
     fn a_commits_frames_go_to_the_kernel_in_one_write() {
@@ -699,14 +711,7 @@ mod tests {
         let reader = rusqlite::Connection::open(&path).expect("a reader");
         let mut written = 0;
         for commit in 0..20_i64 {
-            let before = writes_of_this_thread();
-            let tx = conn.transaction().expect("a transaction");
-            for row in 0..50_i64 {
-                // Each row a leaf of its own: ~50 frames a commit, two writes each without gathering.
-                tx.execute("INSERT INTO t VALUES (?1, randomblob(3000))", [commit * 50 + row]).expect("a row");
-            }
-            tx.commit().expect("a commit");
-            let calls = writes_of_this_thread() - before;
+            let calls = write_calls_of_a_commit(&mut conn, commit * 50);
             // ~50 frames of 4,120 bytes, in writes of 124 KiB: 2; two a frame without gathering.
             assert!(calls <= 4, "commit {commit} took {calls} write calls");
             written += 50;
@@ -767,13 +772,7 @@ mod tests {
     fn with_synchronous_normal_frames_are_not_gathered() {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let (_, mut conn) = writer_in(dir.path(), false);
-        let before = writes_of_this_thread();
-        let tx = conn.transaction().expect("a transaction");
-        for row in 0..50_i64 {
-            tx.execute("INSERT INTO t VALUES (?1, randomblob(3000))", [row]).expect("a row");
-        }
-        tx.commit().expect("a commit");
-        let calls = writes_of_this_thread() - before;
+        let calls = write_calls_of_a_commit(&mut conn, 0);
         assert!(calls >= 100, "{calls} write calls for ~50 frames");
     }
 }

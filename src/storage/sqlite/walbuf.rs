@@ -1,18 +1,18 @@
-//! A VFS for the writer's connection that hands a commit's WAL frames to the kernel in one write.
+//! A VFS for the writer's connection that hands a commit's WAL frames to the kernel in a few writes.
 //!
 //! Why: SQLite writes each WAL frame with two `pwrite` calls (its 24-byte header, then its page),
 //! and a frame straddles two pages of the file, so every frame costs two system calls and four
 //! page-cache updates. Under load that was ~30 % of the writer thread's time (`perf record -t` on
 //! `stockd-writer`, hot-key: `walWriteOneFrame`, almost all of it in the kernel), and the writer
 //! is the one thread every SQLite write waits for (docs/PERFORMANCE.md, "A commit's WAL frames
-//! in one write").
+//! in a few writes").
 //!
 //! How: this VFS wraps the default one ("unix") and changes nothing but the WAL file's writes.
 //! Writes that continue where the previous one ended are gathered in memory; whatever else is
 //! asked of the file (a sync, a read, its size, a truncation, a lock, a file control, its close)
 //! first hands the gathered bytes to the kernel, in writes of up to [`CHUNK`] bytes (31 pages:
-//! the default VFS's limit), so every other call sees the file
-//! exactly as it would have without this layer. A write elsewhere in the file, or one that would
+//! the default VFS's limit), so every other call sees the file exactly as it would have without
+//! this layer. A write elsewhere in the file, or one that would
 //! grow the buffer past [`LIMIT`], does the same first.
 //!
 //! Why that is safe: a frame becomes visible to anyone else (the readers' and the checkpointer's
@@ -37,6 +37,9 @@ pub const NAME: &CStr = c"stockd-wal-gather";
 /// (`seekAndWriteFd`, which never expects more than a page and a frame header).
 const CHUNK: usize = 124 << 10;
 
+/// Where the default VFS's file starts in ours: after our header, 8-byte aligned.
+const HEADER: usize = std::mem::size_of::<File>().next_multiple_of(8);
+
 /// The most bytes gathered before they are handed over anyway: more than a large batch's commit
 /// (a `multi-line` batch of 64 orders writes ~3.5 MiB of frames).
 const LIMIT: usize = 8 << 20;
@@ -49,18 +52,18 @@ pub fn for_writer(synchronous_full: bool) -> Option<&'static str> {
     }
     static REGISTERED: OnceLock<bool> = OnceLock::new();
     // SAFETY: `register` runs once, before any connection opens with this VFS.
-    let ok = *REGISTERED.get_or_init(|| unsafe { register() });
-    ok.then(|| NAME.to_str().unwrap_or_default()).filter(|n| !n.is_empty())
+    let registered = *REGISTERED.get_or_init(|| unsafe { register() });
+    NAME.to_str().ok().filter(|_| registered)
 }
 
-/// A file opened through this VFS: SQLite's `sqlite3_file` header first (its methods), then the
-/// gathered bytes, then the default VFS's own file structure, in the same allocation.
+/// A file opened through this VFS: SQLite's `sqlite3_file` header first (its methods), then our
+/// two pointers, then (at [`HEADER`]) the default VFS's own file structure, in one allocation.
 #[repr(C)]
 struct File {
     base: ffi::sqlite3_file,
     /// The default VFS's file (points into this allocation, just after this struct).
     inner: *mut ffi::sqlite3_file,
-    /// Gathered bytes and the offset of the first; `None` for every file but a WAL.
+    /// Gathered bytes and the offset of the first; null for every file but a WAL.
     gather: *mut Gather,
 }
 
@@ -81,9 +84,8 @@ unsafe fn register() -> bool {
     }
     // SAFETY: `inner` is a registered VFS, valid for the life of the process.
     let mut vfs = unsafe { ptr::read(inner) };
-    // Room for our header and the inner file, the inner one 8-byte aligned.
-    let header = std::mem::size_of::<File>().next_multiple_of(8);
-    let Ok(size) = c_int::try_from(header + usize::try_from(vfs.szOsFile).unwrap_or(0)) else { return false };
+    // Room for our header and the inner file.
+    let Ok(size) = c_int::try_from(HEADER + usize::try_from(vfs.szOsFile).unwrap_or(0)) else { return false };
     vfs.szOsFile = size;
     vfs.pNext = ptr::null_mut();
     vfs.zName = NAME.as_ptr();
@@ -103,11 +105,10 @@ unsafe extern "C" fn open(
     flags: c_int,
     out_flags: *mut c_int,
 ) -> c_int {
-    let header = std::mem::size_of::<File>().next_multiple_of(8);
     let ours = file.cast::<File>();
     // SAFETY: SQLite allocated `szOsFile` bytes at `file`: our header, then the inner file.
     unsafe {
-        let inner = file.cast::<u8>().add(header).cast::<ffi::sqlite3_file>();
+        let inner = file.cast::<u8>().add(HEADER).cast::<ffi::sqlite3_file>();
         ptr::write(ours, File { base: ffi::sqlite3_file { pMethods: ptr::null() }, inner, gather: ptr::null_mut() });
         let vfs = INNER.load(Ordering::Acquire);
         let Some(open) = vfs.as_ref().and_then(|v| v.xOpen) else { return ffi::SQLITE_CANTOPEN };
@@ -133,7 +134,7 @@ unsafe fn inner(file: *mut ffi::sqlite3_file) -> (*mut ffi::sqlite3_file, &'stat
     }
 }
 
-/// Hands the gathered bytes to the inner file in one write.
+/// Hands the gathered bytes to the inner file, [`CHUNK`] bytes a write.
 unsafe fn flush(file: *mut ffi::sqlite3_file) -> c_int {
     // SAFETY: as for `inner`; `gather` is null or ours.
     unsafe {
