@@ -173,6 +173,13 @@ pub fn new_event_id() -> String {
     format!("evt_{}", generator.generate().unwrap_or_else(|_| Ulid::new()))
 }
 
+/// The lowest event id [`new_event_id`] can make at `ms` or later: every id below it was made
+/// before `ms` (a ULID's text sorts by its millisecond first). The purge walks the ids up to
+/// it, from the oldest, so it needs no index of events by age.
+pub fn first_event_id_at(ms: i64) -> String {
+    format!("evt_{}", Ulid::from_parts(u64::try_from(ms).unwrap_or(0), 0))
+}
+
 /// Where a resource's available stock stands, as its stock events see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StockBand {

@@ -124,6 +124,23 @@ mod tests {
         StoredResponse { status: 201, content_type: ContentType::Json, body: body.to_string() }
     }
 
+    /// A record keeps the hash's first 32 digits; one an earlier version wrote keeps all 64.
+    /// Either judges a replay as the same request, and a hash that differs in any digit the
+    /// record kept as another one.
+    #[test]
+    fn a_record_judges_by_half_the_hash_or_by_the_whole_one_it_kept_before() {
+        let whole = "0123456789abcdef".repeat(4);
+        assert_eq!(crate::storage::stored_hash(&whole), &whole[..32]);
+        let replayed = Idempotent::Replayed(response("{}"));
+        let r = request("k", &whole);
+        assert_eq!(r.judge(&whole[..32], response("{}")), replayed);
+        assert_eq!(r.judge(&whole, response("{}")), replayed);
+        let last_kept_digit_differs = format!("{}0", &whole[..31]);
+        assert_eq!(r.judge(&last_kept_digit_differs, response("{}")), Idempotent::Mismatch);
+        let second_half_differs = format!("{}{}", &whole[..32], "f".repeat(32));
+        assert_eq!(r.judge(&second_half_differs, response("{}")), Idempotent::Mismatch);
+    }
+
     /// Lookups queued while a group is being read are read together by the next statement, and
     /// each gets the answer of its own tenant and key (a mismatch where the hash differs).
     #[tokio::test]

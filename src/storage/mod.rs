@@ -223,11 +223,24 @@ pub struct IdempotencyRequest {
     pub request_hash: String,
 }
 
+/// Hex digits of a request hash that an idempotency record keeps: the first 128 bits of its
+/// SHA-256, which tell one request under a key from another as surely as the whole (a
+/// collision made on purpose takes 2^64 tries, with a key of one's own). Half the bytes of the
+/// whole in every record. Records written before this kept all 64 digits and are judged by
+/// them ([`IdempotencyRequest::judge`]); Redis's request records keep the whole hash.
+pub const STORED_HASH_DIGITS: usize = 32;
+
+/// A request hash as an idempotency record stores it ([`STORED_HASH_DIGITS`]).
+pub fn stored_hash(request_hash: &str) -> &str {
+    request_hash.get(..STORED_HASH_DIGITS).unwrap_or(request_hash)
+}
+
 impl IdempotencyRequest {
     /// The answer to this request from its key's stored record: the first response if the
-    /// record was made for the same request, else a mismatch.
-    pub fn judge(&self, stored_hash: &str, response: StoredResponse) -> Idempotent {
-        if stored_hash == self.request_hash {
+    /// record was made for the same request, else a mismatch. A record keeps the hash's first
+    /// [`STORED_HASH_DIGITS`], or the whole of it if an earlier version wrote it.
+    pub fn judge(&self, stored: &str, response: StoredResponse) -> Idempotent {
+        if stored == stored_hash(&self.request_hash) || stored == self.request_hash {
             Idempotent::Replayed(response)
         } else {
             Idempotent::Mismatch

@@ -429,7 +429,7 @@ async fn events_past_their_retention_are_purged() {
         shop.order(&format!("k{i}"), &deduct(&format!("ORD-{i}"), &[("sku-1", 1)])).await.expect_json(201);
     }
     // The first two are three hours old.
-    tamper(app.database_url(), &["UPDATE events SET at = at - 10800000 WHERE tenant_id = 'shop' AND seq <= 2"]).await;
+    crate::retention::Db::connect(&app).await.age_events("tenant_id = 'shop' AND seq <= 2", 10_800_000).await;
     let deadline = tokio::time::Instant::now() + DEADLINE;
     loop {
         let page = shop.get("/v1/events").await.expect_json(200);

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use sqlx::Connection;
 
-use crate::helpers::{deduct, mysql_connect_ansi, spawn_app_with, AppOptions, Backend, TenantClient, TestApp};
+use crate::helpers::{
+    assert_problem, deduct, mysql_connect_ansi, spawn_app_with, AppOptions, Backend, TenantClient, TestApp,
+};
 use crate::redis_support::{
     create_redis_resource, deduct_one, order_through_503, redis_app, redis_conn, shared_redis_url, stream_key,
     wait_settled,
@@ -22,14 +24,14 @@ const HOUR_MS: i64 = 3_600_000;
 const MYSQL_ROWS_PER_INSERT: i64 = 1000;
 
 /// A connection to the test's database, on any backend.
-enum Db {
+pub(crate) enum Db {
     Sqlite(sqlx::SqliteConnection),
     Postgres(sqlx::PgConnection),
     Mysql(sqlx::MySqlConnection),
 }
 
 impl Db {
-    async fn connect(app: &TestApp) -> Db {
+    pub(crate) async fn connect(app: &TestApp) -> Db {
         match Backend::from_env() {
             Backend::Sqlite => {
                 Db::Sqlite(sqlx::SqliteConnection::connect(app.database_url()).await.expect("SQLite opens"))
@@ -63,6 +65,32 @@ impl Db {
              SELECT 'shop', 'sku-1', 'old-' || i, {at} FROM n"
         ))
         .await;
+    }
+
+    /// Makes the events `filter` selects (a condition on `events`) `age_ms` older, as if they
+    /// had been written that long ago: their `at`, and their id, whose ULID carries the time it
+    /// was made (the purge goes by both); the idempotency records that point at them follow.
+    pub(crate) async fn age_events(&mut self, filter: &str, age_ms: i64) {
+        for id in self.texts(&format!("SELECT id FROM events WHERE {filter}")).await {
+            let ulid: ulid::Ulid = id.trim_start_matches("evt_").parse().unwrap_or_else(|e| panic!("{id}: {e}"));
+            let aged = ulid::Ulid::from_parts(ulid.timestamp_ms() - age_ms as u64, ulid.random());
+            let aged = format!("evt_{aged}");
+            self.execute(&format!("UPDATE events SET id = '{aged}', at = at - {age_ms} WHERE id = '{id}'")).await;
+            self.execute(&format!("UPDATE idempotency SET response_event = '{aged}' WHERE response_event = '{id}'"))
+                .await;
+        }
+    }
+
+    async fn texts(&mut self, sql: &str) -> Vec<String> {
+        let t: Result<Vec<(String,)>, _> = match self {
+            Db::Sqlite(conn) => sqlx::query_as(sql).fetch_all(conn).await,
+            Db::Postgres(conn) => sqlx::query_as(sql).fetch_all(conn).await,
+            // A binary-collated text column reads as bytes.
+            Db::Mysql(conn) => sqlx::query_as(sql).fetch_all(conn).await.map(|rows: Vec<(Vec<u8>,)>| {
+                rows.into_iter().map(|(b,)| (String::from_utf8(b).expect("UTF-8 text"),)).collect()
+            }),
+        };
+        t.unwrap_or_else(|e| panic!("{sql}: {e}")).into_iter().map(|(t,)| t).collect()
     }
 
     async fn execute(&mut self, sql: &str) {
@@ -256,6 +284,54 @@ async fn the_consumer_of_a_killed_process_leaves_the_settlement_group() {
 /// with records kept 2 h and events 1 h, an order answered 90 minutes ago still replays after a
 /// purge pass that deleted a 4-hour-old order's record and event. A rejected order (no event)
 /// keeps its answer in its record.
+/// Proves an event is indexed once besides the feed, on every backend: the purge finds old
+/// events by their ids (a ULID carries the time it was made), so no index by age is kept, and
+/// SQLite keeps the table itself in the order of the feed. Then an event past its retention by
+/// both its id and its time is purged, and one whose id is young though its `at` is old is kept.
+#[tokio::test]
+async fn events_are_indexed_by_id_and_feed_only_and_purged_by_id() {
+    let app = spawn_app_with(
+        AppOptions::default()
+            .toml("[idempotency]\nretention_hours = 1\n[events]\nretention_hours = 1\npurge_interval_seconds = 1"),
+    )
+    .await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 5).await;
+    for order in ["ORD-1", "ORD-2"] {
+        shop.order(order, &deduct(order, &[("sku-1", 1)])).await.expect_json(201);
+    }
+    let mut db = Db::connect(&app).await;
+    let (catalog, expected) = match Backend::from_env() {
+        // The table (its key the feed's, tenant and seq: no rowid b-tree) and the index by id.
+        Backend::Sqlite => ("SELECT COUNT(*) FROM sqlite_schema WHERE tbl_name = 'events'", 2),
+        Backend::Postgres => {
+            ("SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() AND tablename = 'events'", 2)
+        }
+        Backend::Mysql => (
+            "SELECT COUNT(DISTINCT index_name) FROM information_schema.statistics
+             WHERE table_schema = DATABASE() AND table_name = 'events'",
+            2,
+        ),
+    };
+    assert_eq!(db.count(catalog).await, expected, "the table's key (id) and the feed, nothing by age");
+
+    // The young id first: a purge that deletes the other event ran after it too.
+    db.execute(&format!(
+        "UPDATE events SET at = at - {} WHERE tenant_id = 'shop' AND ordering_key = 'order:ORD-2'",
+        3 * HOUR_MS
+    ))
+    .await;
+    db.age_events("tenant_id = 'shop' AND ordering_key = 'order:ORD-1'", 3 * HOUR_MS).await;
+    let gone = "SELECT COUNT(*) FROM events WHERE tenant_id = 'shop' AND ordering_key = 'order:ORD-1'";
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while db.count(gone).await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the event 3 hours old was never purged");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let kept = "SELECT COUNT(*) FROM events WHERE tenant_id = 'shop' AND ordering_key = 'order:ORD-2'";
+    assert_eq!(db.count(kept).await, 1, "an event whose id is young is kept");
+}
+
 #[tokio::test]
 async fn a_replayed_order_answers_from_its_event_which_outlives_the_record() {
     let app = spawn_app_with(AppOptions::default().toml(
@@ -286,10 +362,7 @@ async fn a_replayed_order_answers_from_its_event_which_outlives_the_record() {
             "UPDATE idempotency SET created_at = created_at - {age_ms} WHERE tenant_id = 'shop' AND \"key\" = '{key}'"
         ))
         .await;
-        db.execute(&format!(
-            "UPDATE events SET at = at - {age_ms} WHERE tenant_id = 'shop' AND ordering_key = 'order:{order}'"
-        ))
-        .await;
+        db.age_events(&format!("tenant_id = 'shop' AND ordering_key = 'order:{order}'"), age_ms).await;
     }
     // Both purges ran over the aged rows: the old order's record and event are gone.
     let old_left = "SELECT (SELECT COUNT(*) FROM idempotency WHERE tenant_id = 'shop' AND \"key\" = 'old')
@@ -306,6 +379,40 @@ async fn a_replayed_order_answers_from_its_event_which_outlives_the_record() {
     assert!(again.replayed(), "marked Idempotent-Replayed: true");
     let refused_again = shop.order("rejected", &rejected).await;
     assert_eq!((refused_again.status(), refused_again.text.as_str()), (409, refusal.text.as_str()));
+}
+
+/// Proves an idempotency record keeps the first 32 hex digits of the request's SHA-256 (half
+/// its bytes) and still tells a replay from another request under the key, and that a record an
+/// earlier version wrote, with all 64 digits, is judged by them the same way.
+#[tokio::test]
+async fn a_record_keeps_half_the_request_hash_and_earlier_whole_ones_still_judge() {
+    use sha2::Digest;
+    let app = spawn_app_with(AppOptions::default()).await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 5).await;
+    let body = deduct("ORD-1", &[("sku-1", 1)]);
+    let first = shop.order("k1", &body).await;
+    assert_eq!(first.status(), 201, "{}", first.text);
+    // The request's identity: method, path and the body with its keys sorted, compact.
+    let whole = hex::encode(sha2::Sha256::digest(format!("POST\n/v1/orders\n{body}")));
+
+    let mut db = Db::connect(&app).await;
+    let stored = "SELECT request_hash FROM idempotency WHERE tenant_id = 'shop' AND \"key\" = 'k1'";
+    assert_eq!(db.text(stored).await, whole[..32], "the record keeps the hash's first 32 digits");
+    let other = deduct("ORD-2", &[("sku-1", 1)]);
+    for _ in 0..2 {
+        let again = shop.order("k1", &body).await;
+        assert_eq!((again.status(), again.text.as_str()), (201, first.text.as_str()));
+        assert!(again.replayed(), "a replay");
+        assert_problem(&shop.order("k1", &other).await, 422, "idempotency_key_mismatch");
+        // Then as an earlier version stored it.
+        db.execute(&format!(
+            "UPDATE idempotency SET request_hash = '{whole}' WHERE tenant_id = 'shop' AND \"key\" = 'k1'"
+        ))
+        .await;
+    }
+    let sku = shop.get("/v1/resources/sku-1").await.expect_json(200);
+    assert_eq!(sku["available"], 4, "one deduction: {sku}");
 }
 
 /// Answers and events are stored deflated against a dictionary (src/storage/payload.rs): an

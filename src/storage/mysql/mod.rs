@@ -618,8 +618,10 @@ impl Storage for MyStorage {
 
     async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
         // Outside the batcher: deleting old, committed events contends with no write.
-        // MySQL deletes in index order with a LIMIT of its own (no LIMIT inside IN here).
-        let done = sqlx::query("DELETE FROM events WHERE at < ? AND seq IS NOT NULL ORDER BY at LIMIT ?")
+        // MySQL deletes in index order with a LIMIT of its own (no LIMIT inside IN here). Walks
+        // the primary key up to the first id made at `before_ms` (migration 0006).
+        let done = sqlx::query("DELETE FROM events WHERE id < ? AND at < ? AND seq IS NOT NULL ORDER BY id LIMIT ?")
+            .bind(crate::events::first_event_id_at(before_ms))
             .bind(before_ms)
             .bind(i64::from(limit))
             .execute(&self.pool)

@@ -31,7 +31,7 @@ use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{
-    body_columns, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
+    body_columns, stored_hash, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
 };
 
 fn corrupt(what: &str) -> StorageError {
@@ -241,7 +241,7 @@ impl Port for MyPort<'_> {
         )
         .bind(tenant.as_str())
         .bind(idem.key.as_str())
-        .bind(&idem.request_hash)
+        .bind(stored_hash(&idem.request_hash))
         .bind(now_ms)
         .execute(&mut *self.conn)
         .await?
@@ -742,7 +742,7 @@ impl Port for MyPort<'_> {
         )
         .bind(tenant)
         .bind(key)
-        .bind(request_hash)
+        .bind(stored_hash(request_hash))
         .bind(i32::from(response.status))
         .bind(response.content_type.as_str())
         .bind(body)
@@ -865,7 +865,7 @@ impl Port for MyPort<'_> {
                 let (body, event) = body_columns(&x.response, x.event.as_deref());
                 q.bind(&x.tenant)
                     .bind(&x.key)
-                    .bind(&x.request_hash)
+                    .bind(stored_hash(&x.request_hash))
                     .bind(i32::from(x.response.status))
                     .bind(x.response.content_type.as_str())
                     .bind(body)

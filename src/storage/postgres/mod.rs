@@ -659,11 +659,13 @@ impl Storage for PgStorage {
     }
 
     async fn purge_events(&self, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
-        // Outside the batcher: deleting old, committed events contends with no write.
+        // Outside the batcher: deleting old, committed events contends with no write. Walks
+        // the primary key up to the first id made at `before_ms` (migration 0021).
         let done = sqlx::query(
             "DELETE FROM events WHERE id IN
-               (SELECT id FROM events WHERE at < $1 AND seq IS NOT NULL ORDER BY at LIMIT $2)",
+               (SELECT id FROM events WHERE id < $1 AND at < $2 AND seq IS NOT NULL ORDER BY id LIMIT $3)",
         )
+        .bind(crate::events::first_event_id_at(before_ms))
         .bind(before_ms)
         .bind(i64::from(limit))
         .execute(&self.pool)

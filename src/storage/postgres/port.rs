@@ -26,7 +26,7 @@ use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{
-    body_columns, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
+    body_columns, stored_hash, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
 };
 
 fn corrupt(what: &str) -> StorageError {
@@ -199,7 +199,7 @@ impl Port for PgPort<'_> {
         )
         .bind(tenant.as_str())
         .bind(idem.key.as_str())
-        .bind(&idem.request_hash)
+        .bind(stored_hash(&idem.request_hash))
         .bind(now_ms)
         .execute(&mut *self.conn)
         .await?
@@ -719,7 +719,7 @@ impl Port for PgPort<'_> {
         )
         .bind(tenant)
         .bind(key)
-        .bind(request_hash)
+        .bind(stored_hash(request_hash))
         .bind(i32::from(response.status))
         .bind(response.content_type.as_str())
         .bind(body)
@@ -751,7 +751,7 @@ impl Port for PgPort<'_> {
         )
         .bind(col(o, |x| x.tenant.clone()))
         .bind(col(o, |x| x.key.clone()))
-        .bind(col(o, |x| x.request_hash.clone()))
+        .bind(col(o, |x| stored_hash(&x.request_hash).to_owned()))
         .bind(col(o, |x| i32::from(x.response.status)))
         .bind(col(o, |x| x.response.content_type.as_str()))
         .bind(col(o, |x| body_columns(&x.response, x.event.as_deref()).0.map(std::borrow::Cow::into_owned)))
@@ -882,7 +882,7 @@ impl Port for PgPort<'_> {
         .bind(col(m, |x| x.id.clone()))
         .bind(col(m, |x| x.to.as_str()))
         .bind(col(m, |x| x.at))
-        .bind(col(o, |x| x.request_hash.clone()))
+        .bind(col(o, |x| stored_hash(&x.request_hash).to_owned()))
         .bind(col(o, |x| x.at))
         .bind(col(o, |x| x.event.clone()))
         .fetch_one(&mut *self.conn)

@@ -263,4 +263,77 @@ mod tests {
         let dirty = run(&mut conn).expect_err("a half-applied migration is refused");
         assert!(dirty.to_string().contains("half-applied"), "{dirty}");
     }
+
+    /// An event is written to two b-trees: the table, kept in the order of the feed, and its
+    /// index by id (0021; there were four: the rowid table, its index by id, the feed's and one
+    /// by age).
+    #[test]
+    fn an_event_is_written_to_two_btrees() {
+        use super::super::port::INSERT_EVENT;
+        let (_dir, mut conn) = fresh();
+        run(&mut conn).expect("migrations");
+        let program = opcodes(&conn, INSERT_EVENT);
+        let opened = program.iter().filter(|op| *op == "OpenWrite").count();
+        assert_eq!(opened, 2, "{program:?}");
+    }
+
+    /// 0021 rebuilds `events` with its rows, and the purge then deletes the events whose id
+    /// and time are both past the cut, walking the ids from the oldest rather than the table.
+    #[test]
+    fn the_rebuilt_events_keep_their_rows_and_are_purged_by_id() {
+        let (_dir, mut conn) = fresh();
+        run_through(&mut conn, 20).expect("migrations up to 0020");
+        let cut = 1_800_000_000_000_i64;
+        let old = crate::events::first_event_id_at(cut - 1);
+        let young = crate::events::first_event_id_at(cut);
+        // An old id whose `at` is young (its change is younger than its id) is kept too.
+        let old_young_at = crate::events::first_event_id_at(cut - 2);
+        conn.execute_batch(&format!(
+            "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data)
+             VALUES ('{old}', 'shop', 1, 'order.applied', 'order:a', {}, '{{\"a\":1}}'),
+                    ('{old_young_at}', 'shop', 2, 'order.applied', 'order:b', {cut}, '{{}}'),
+                    ('{young}', 'shop', 3, 'order.applied', 'order:c', {cut}, '{{}}');",
+            cut - 1
+        ))
+        .expect("events");
+        run(&mut conn).expect("0021");
+        let rows: Vec<(String, i64, String)> = conn
+            .prepare("SELECT id, seq, data FROM events ORDER BY seq")
+            .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?.collect())
+            .expect("the events");
+        assert_eq!(
+            rows,
+            [
+                (old.clone(), 1, "{\"a\":1}".to_string()),
+                (old_young_at.clone(), 2, "{}".into()),
+                (young.clone(), 3, "{}".into())
+            ]
+        );
+        let by_id = conn
+            .query_row("SELECT COUNT(*) FROM sqlite_schema WHERE name = 'events_by_id'", [], |r| r.get::<_, i64>(0))
+            .expect("schema");
+        assert_eq!(by_id, 1, "the index by id is there");
+        let duplicate = conn.execute(
+            "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data) VALUES ('evt_x', 'shop', 3, 't', 'k', 1, '')",
+            [],
+        );
+        assert!(duplicate.is_err_and(|e| e.to_string().contains("UNIQUE")), "a tenant's seq is still unique");
+        let twice = conn.execute(
+            &format!("INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data) VALUES ('{young}', 'shop', 4, 't', 'k', 1, '')"),
+            [],
+        );
+        assert!(twice.is_err_and(|e| e.to_string().contains("UNIQUE")), "an id is still unique");
+
+        let plan: Vec<String> = conn
+            .prepare("EXPLAIN QUERY PLAN SELECT id FROM events WHERE id < ?1 AND at < ?2 ORDER BY id LIMIT ?3")
+            .and_then(|mut s| s.query_map([&old, "0", "1"], |r| r.get::<_, String>(3))?.collect())
+            .expect("a plan");
+        assert!(plan.iter().any(|step| step.starts_with("SEARCH events USING INDEX events_by_id (id<?)")), "{plan:?}");
+        assert_eq!(super::super::ops::purge_events(&conn, cut, 10).expect("a purge"), 1);
+        let left: Vec<String> = conn
+            .prepare("SELECT id FROM events ORDER BY id")
+            .and_then(|mut s| s.query_map([], |r| r.get(0))?.collect())
+            .expect("the events");
+        assert_eq!(left, [old_young_at, young], "only the event old by its id and its time is gone");
+    }
 }

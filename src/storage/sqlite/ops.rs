@@ -155,11 +155,16 @@ pub fn events_page(
     Ok(from.arrange(events))
 }
 
-/// Deletes up to `limit` events written before `before_ms`, oldest first.
+/// Deletes up to `limit` events written before `before_ms`, oldest first: those whose id and
+/// `at` are both older, found by walking the ids (the table's key) up to the first one made at
+/// `before_ms` ([`crate::events::first_event_id_at`]).
 pub fn purge_events(conn: &Connection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
     let deleted = conn
-        .prepare_cached("DELETE FROM events WHERE id IN (SELECT id FROM events WHERE at < ?1 ORDER BY at LIMIT ?2)")?
-        .execute(params![before_ms, i64::from(limit)])?;
+        .prepare_cached(
+            "DELETE FROM events WHERE id IN
+               (SELECT id FROM events WHERE id < ?1 AND at < ?2 ORDER BY id LIMIT ?3)",
+        )?
+        .execute(params![crate::events::first_event_id_at(before_ms), before_ms, i64::from(limit)])?;
     Ok(deleted as u64)
 }
 

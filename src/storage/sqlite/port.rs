@@ -23,7 +23,8 @@ use crate::events::{NewEvent, Stock, StockBand};
 use crate::storage::redis_store::{SettleRecord, REFUSED_RESERVATION_SQL, STORED_OUTCOME_SQL};
 use crate::storage::rows::{self, Columns, BUCKET_COLUMNS, CHECKPOINT_COLUMNS, LEDGER_COLUMNS, RESOURCE_COLUMNS};
 use crate::storage::{
-    body_columns, payload, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
+    body_columns, payload, stored_hash, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError,
+    StoredResponse,
 };
 
 pub(super) fn corrupt(what: &str) -> StorageError {
@@ -322,7 +323,7 @@ impl Port for SqlitePort<'_> {
         self.conn.prepare_cached(INSERT_OUTCOME)?.execute(params![
             tenant.as_str(),
             idem.key.as_str(),
-            idem.request_hash,
+            stored_hash(&idem.request_hash),
             i64::from(response.status),
             response.content_type.as_str(),
             body,
@@ -665,7 +666,7 @@ impl Port for SqlitePort<'_> {
             .execute(params![
                 tenant,
                 key,
-                request_hash,
+                stored_hash(request_hash),
                 i64::from(response.status),
                 response.content_type.as_str(),
                 body,
@@ -751,7 +752,7 @@ impl Port for SqlitePort<'_> {
             answers.execute(params![
                 o.tenant,
                 o.key,
-                o.request_hash,
+                stored_hash(&o.request_hash),
                 i64::from(o.response.status),
                 o.response.content_type.as_str(),
                 body,
