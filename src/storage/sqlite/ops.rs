@@ -156,8 +156,8 @@ pub fn events_page(
 }
 
 /// Deletes up to `limit` events written before `before_ms`, oldest first: those whose id and
-/// `at` are both older, found by walking the ids (the table's key) up to the first one made at
-/// `before_ms` ([`crate::events::first_event_id_at`]).
+/// `at` are both older, found by walking `events_by_id` up to the first id made at `before_ms`
+/// ([`crate::events::first_event_id_at`]).
 pub fn purge_events(conn: &Connection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
     let deleted = conn
         .prepare_cached(
