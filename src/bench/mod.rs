@@ -300,6 +300,17 @@ enum Scenario {
 
 /// The scenario named `name`. Reads the plugins and settings a scenario needs now, so a missing
 /// one stops the bench before it starts a server.
+/// Refuses a scenario named twice: a scenario's resources are named after it, so a second run
+/// would start from the first one's stock and sales, and its invariant check (the resource's
+/// whole history against the run's own acknowledged sales) would fail without a fault.
+fn once_each(names: &[String]) -> anyhow::Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    match names.iter().map(|n| n.trim()).find(|n| !seen.insert(*n)) {
+        Some(twice) => bail!("--scenarios names {twice} twice; run the bench again to repeat a scenario"),
+        None => Ok(()),
+    }
+}
+
 fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
     Ok(match name.trim() {
         "hot-key" => Scenario::Http(Workload::HotKey),
@@ -329,6 +340,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     // Before the bench's own first SQLite connection (baselines, sizes), so that the `core-`
     // scenarios' storage runs SQLite as the server does.
     crate::storage::sqlite::library::configure();
+    once_each(&args.scenarios)?;
     let scenarios =
         args.scenarios.iter().map(|s| parse_scenario(s, &args.plugins_dir)).collect::<anyhow::Result<Vec<_>>>()?;
     if args.clients == 0 || args.duration_secs == 0 || args.orders == Some(0) || args.client_timeout_secs == 0 {
@@ -669,5 +681,18 @@ fn print_main_table(results: &[&ScenarioResult]) {
         for v in &r.violations {
             println!("  {}: {v}", r.scenario);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scenario_named_twice_is_refused() {
+        let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(once_each(&names(&["ceiling", "hot-key", "uniform"])).is_ok());
+        let err = once_each(&names(&["hot-key", "hot-key-buckets", " hot-key-buckets"])).expect_err("named twice");
+        assert!(err.to_string().contains("hot-key-buckets twice"), "{err}");
     }
 }
