@@ -14,38 +14,11 @@ their mean duration (`stockd_batch_commit_seconds`: from the first statement to 
 WAL checkpoints and `ckpt ms` their mean (`stockd_sqlite_checkpoint_seconds`). A commit's
 duration is what every request of its batch waits on top of queueing, so a few long ones are
 what a p99 is made of. Needs `ss` (iproute2) to find the server's port."""
-import json, os, re, subprocess, sys, urllib.request
+import json, os, re, urllib.request
 
 import hooked
 
 METRICS = ("stockd_batch_commit_seconds", "stockd_batch_size", "stockd_sqlite_checkpoint_seconds")
-
-
-def server_pid():
-    """The `stockd serve` the bench started: a child of the bench (the hook's shell's parent)."""
-    with open(f"/proc/{os.getppid()}/stat") as f:
-        bench = int(f.read().rsplit(")", 1)[1].split()[1])
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{p}/cmdline") as f:
-                args = f.read().split("\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == bench and "serve" in args:
-            return int(p)
-    sys.exit("commits.py: no `stockd serve` child of the bench (run with --url? this needs the bench's own server)")
-
-
-def port_of(pid):
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    for line in out.splitlines():
-        if f"pid={pid}," in line:
-            return line.split()[3].rsplit(":", 1)[1]
-    sys.exit(f"commits.py: process {pid} listens on no TCP port")
 
 
 def histograms(text):
@@ -63,7 +36,7 @@ def histograms(text):
 
 
 def snap(which, state):
-    port = port_of(server_pid())
+    port = hooked.port_of(hooked.server_pid())
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")

@@ -20,3 +20,30 @@ def main(script, doc, snap, report):
            "--exec-after-load", f"python3 {me} snap after {state}"]
     subprocess.run(cmd, check=True)
     report(state, json.load(open(out)))
+
+
+def server_pid():
+    """The `stockd serve` the bench started: a child of the bench (the hook's shell's parent)."""
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        bench = int(f.read().rsplit(")", 1)[1].split()[1])
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{p}/cmdline") as f:
+                args = f.read().split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == bench and "serve" in args:
+            return int(p)
+    sys.exit("no `stockd serve` child of the bench (run with --url? this needs the bench's own server)")
+
+
+def port_of(pid):
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        if f"pid={pid}," in line:
+            return line.split()[3].rsplit(":", 1)[1]
+    sys.exit(f"process {pid} listens on no TCP port")

@@ -13,39 +13,13 @@ batch from its first statement to the end of its COMMIT, fsync included) and
 `stockd_batch_size` from `/metrics`. `blocked` is a batch's time neither on a core nor waiting
 for one; the writer's time outside batches (taking the next jobs) is small enough to count as
 idle."""
-import json, os, re, subprocess, sys, time, urllib.request
+import json, os, re, sys, time, urllib.request
 
 import hooked
 
 
-def server_pid():
-    bench = os.getppid()
-    # The hook runs under `sh -c`: the bench is the shell's parent.
-    with open(f"/proc/{bench}/stat") as f:
-        bench = int(f.read().rsplit(")", 1)[1].split()[1])
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid == bench and "serve" in open(f"/proc/{p}/cmdline").read().split("\0"):
-                return int(p)
-        except (OSError, ValueError, IndexError):
-            continue
-    sys.exit("writer-time: no `stockd serve` started by the bench")
-
-
-def listening_port(pid):
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    for line in out.splitlines():
-        if f"pid={pid}," in line:
-            return int(line.split()[3].rsplit(":", 1)[1])
-    sys.exit(f"writer-time: the server {pid} listens on no TCP port")
-
-
 def snapshot():
-    pid = server_pid()
+    pid = hooked.server_pid()
     state = {"t": time.monotonic()}
     for t in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{t}/comm") as f:
@@ -55,7 +29,7 @@ def snapshot():
                 state["on_cpu"], state["waiting"] = int(on_cpu) / 1e9, int(waiting) / 1e9
     if "on_cpu" not in state:
         sys.exit("writer-time: the server has no stockd-writer thread (SQLite only)")
-    port = listening_port(pid)
+    port = hooked.port_of(pid)
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for name in ("stockd_batch_commit_seconds_sum", "stockd_batch_size_sum", "stockd_batch_size_count"):
         m = re.search(rf"^{name} (\S+)$", metrics, re.M)
