@@ -14,34 +14,18 @@ their mean duration (`stockd_batch_commit_seconds`: from the first statement to 
 WAL checkpoints and `ckpt ms` their mean (`stockd_sqlite_checkpoint_seconds`). A commit's
 duration is what every request of its batch waits on top of queueing, so a few long ones are
 what a p99 is made of. Needs `ss` (iproute2) to find the server's port."""
-import json, os, re, urllib.request
+import json, os
 
 import hooked
 
 METRICS = ("stockd_batch_commit_seconds", "stockd_batch_size", "stockd_sqlite_checkpoint_seconds")
 
 
-def histograms(text):
-    """{metric: {"count": n, "sum": s, "le": {bound: cumulative}}} of the metrics above."""
-    found = {m: {"count": 0.0, "sum": 0.0, "le": {}} for m in METRICS}
-    for line in text.splitlines():
-        m = re.match(r'^(\w+)_bucket\{le="([^"]+)"\} (\S+)$', line)
-        if m and m.group(1) in found:
-            found[m.group(1)]["le"][m.group(2)] = float(m.group(3))
-            continue
-        m = re.match(r"^(\w+)_(count|sum) (\S+)$", line)
-        if m and m.group(1) in found:
-            found[m.group(1)][m.group(2)] = float(m.group(3))
-    return found
-
-
 def snap(which, state):
-    port = hooked.port_of(hooked.server_pid())
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    text = hooked.metrics_text(hooked.server_pid())
     scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")
     with open(state, "a") as f:
-        f.write(json.dumps({"which": which, "scenario": scenario, "h": histograms(text)}) + "\n")
+        f.write(json.dumps({"which": which, "scenario": scenario, "h": hooked.histograms(text, METRICS)}) + "\n")
 
 
 def delta(before, after, metric):

@@ -1,7 +1,7 @@
 """The shared driver of the bench scripts that read something around each load: runs
 `BINARY bench ARGS --json F` with `python3 SCRIPT snap before|after STATE` as its load hooks,
 then hands the state file and the bench's results to the script's report."""
-import json, os, subprocess, sys, tempfile
+import json, os, re, subprocess, sys, tempfile, urllib.request
 
 
 def main(script, doc, snap, report):
@@ -47,3 +47,23 @@ def port_of(pid):
         if f"pid={pid}," in line:
             return line.split()[3].rsplit(":", 1)[1]
     sys.exit(f"process {pid} listens on no TCP port")
+
+
+def metrics_text(pid):
+    """The `/metrics` page of the server `pid`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port_of(pid)}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def histograms(text, names):
+    """{metric: {"count": n, "sum": s, "le": {bound: cumulative}}} of the histograms `names`."""
+    found = {m: {"count": 0.0, "sum": 0.0, "le": {}} for m in names}
+    for line in text.splitlines():
+        m = re.match(r'^(\w+)_bucket\{le="([^"]+)"\} (\S+)$', line)
+        if m and m.group(1) in found:
+            found[m.group(1)]["le"][m.group(2)] = float(m.group(3))
+            continue
+        m = re.match(r"^(\w+)_(count|sum) (\S+)$", line)
+        if m and m.group(1) in found:
+            found[m.group(1)][m.group(2)] = float(m.group(3))
+    return found

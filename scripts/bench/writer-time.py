@@ -13,7 +13,7 @@ batch from its first statement to the end of its COMMIT, fsync included) and
 `stockd_batch_size` from `/metrics`. `blocked` is a batch's time neither on a core nor waiting
 for one; the writer's time outside batches (taking the next jobs) is small enough to count as
 idle."""
-import json, os, re, sys, time, urllib.request
+import json, os, sys, time
 
 import hooked
 
@@ -29,11 +29,9 @@ def snapshot():
                 state["on_cpu"], state["waiting"] = int(on_cpu) / 1e9, int(waiting) / 1e9
     if "on_cpu" not in state:
         sys.exit("writer-time: the server has no stockd-writer thread (SQLite only)")
-    port = hooked.port_of(pid)
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for name in ("stockd_batch_commit_seconds_sum", "stockd_batch_size_sum", "stockd_batch_size_count"):
-        m = re.search(rf"^{name} (\S+)$", metrics, re.M)
-        state[name] = float(m.group(1)) if m else 0.0
+    found = hooked.histograms(hooked.metrics_text(pid), ("stockd_batch_commit_seconds", "stockd_batch_size"))
+    state["in_batch"] = found["stockd_batch_commit_seconds"]["sum"]
+    state["orders"], state["batches"] = found["stockd_batch_size"]["sum"], found["stockd_batch_size"]["count"]
     return state
 
 
@@ -52,9 +50,7 @@ def report(state, results):
             continue
         a, b = r["state"], before[r["scenario"]]
         wall = a["t"] - b["t"]
-        batches = a["stockd_batch_size_count"] - b["stockd_batch_size_count"]
-        orders = a["stockd_batch_size_sum"] - b["stockd_batch_size_sum"]
-        in_batch = a["stockd_batch_commit_seconds_sum"] - b["stockd_batch_commit_seconds_sum"]
+        batches, orders, in_batch = (a[k] - b[k] for k in ("batches", "orders", "in_batch"))
         on_cpu, waiting = a["on_cpu"] - b["on_cpu"], a["waiting"] - b["waiting"]
         blocked = max(in_batch - on_cpu - waiting, 0.0)
         share = lambda x: f"{100 * x / wall:.0f} %"

@@ -298,8 +298,6 @@ enum Scenario {
     Core(Workload),
 }
 
-/// The scenario named `name`. Reads the plugins and settings a scenario needs now, so a missing
-/// one stops the bench before it starts a server.
 /// Refuses a scenario named twice: a scenario's resources are named after it, so a second run
 /// would start from the first one's stock and sales, and its invariant check (the resource's
 /// whole history against the run's own acknowledged sales) would fail without a fault.
@@ -311,6 +309,8 @@ fn once_each(names: &[String]) -> anyhow::Result<()> {
     }
 }
 
+/// The scenario named `name`. Reads the plugins and settings a scenario needs now, so a missing
+/// one stops the bench before it starts a server.
 fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
     Ok(match name.trim() {
         "hot-key" => Scenario::Http(Workload::HotKey),
