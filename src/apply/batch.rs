@@ -5,19 +5,20 @@
 //! the same outcomes, ledger rows and final state.
 //!
 //! Each order still gets its own ledger rows, reservation and idempotency record; each changed
-//! row is written once, guarded by the version it was read at. Orders this path cannot decide
-//! (limits, creation, buckets, redis mode, a key used twice in the batch, a key it cannot claim
-//! in bulk) are left to the per-order path: their slot in the answer is `None`.
+//! row is written once, guarded by the version it was read at. A bucketed resource's buckets are
+//! read with its row and each changed bucket written the same way. Orders this path cannot
+//! decide (limits, creation, redis mode, a key used twice in the batch, a key it cannot claim in
+//! bulk) are left to the per-order path: their slot in the answer is `None`.
 
 use std::collections::{HashMap, HashSet};
 
 use super::orders::{held_reservation, new_reservation, order_response};
-use super::port::{BatchWrites, Claim, Counts, HeldMove, LedgerRow, LockedRows, Outcome, Port, RowWrite};
+use super::port::{BatchWrites, BucketWrite, Claim, Counts, HeldMove, LedgerRow, LockedRows, Outcome, Port, RowWrite};
 use super::{events, reservations};
 use crate::engine::admission::{self, Row as AdmissionRow};
 use crate::engine::{OrderStatus, Reservation, ReservationState, TenantId};
 use crate::events::{NewEvent, Stock, StockBand};
-use crate::storage::rules::{new_request_id, reservation_lines};
+use crate::storage::rules::{bucket_seed, new_request_id, reservation_lines};
 use crate::storage::{Idempotent, OrderExecution, OrderJob, StorageError, Transition};
 
 /// A reservation's confirm (`to`: confirmed) or release (`to`: released), queued with a batch.
@@ -77,7 +78,7 @@ fn crossings(
     keys.dedup();
     for key in keys {
         let Some(row) = rows.get_mut(tenant).and_then(|r| r.get_mut(&key)) else { continue };
-        let stock = Stock { available: row.available, low_stock: row.low_stock, band: row.stock };
+        let stock = Stock { available: row.sellable(), low_stock: row.low_stock, band: row.stock };
         if let Some((band, emitted)) = events::stock_events(tenant, &key, stock, at) {
             out.extend(emitted);
             row.stock = band;
@@ -85,8 +86,26 @@ fn crossings(
     }
 }
 
+/// Reads every bucket row of the bucketed, database-mode resources among `rows` into them, so
+/// admission can decide their orders. The batch holds their resource rows (locked where several
+/// processes write), as every batch that declared them does before it moves their buckets; a
+/// bucket that moved meanwhile all the same fails its guarded write, and the batch runs again.
+/// A resource whose buckets read back incomplete stays unread: its orders take the per-order
+/// path.
+async fn read_buckets<P: Port>(port: &mut P, rows: &mut LockedRows) -> Result<(), StorageError> {
+    for (tenant, keys) in rows.iter_mut() {
+        for (key, row) in keys.iter_mut().filter(|(_, r)| r.buckets > 1 && !r.redis) {
+            row.bucket_rows = port.buckets(tenant, key).await?;
+            if !row.has_buckets() {
+                row.bucket_rows.clear();
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Whether admission may decide this order: no limits or creation, and every target it names
-/// that exists is a single-bucket, database-mode row the batch read.
+/// that exists is a database-mode row the batch read (with every bucket, if it has several).
 fn eligible(job: &OrderJob, rows: &LockedRows) -> bool {
     let tenant_rows = rows.get(job.tenant.as_str());
     admission::admissible(&job.plan)
@@ -110,6 +129,7 @@ pub async fn admit<P: Port>(
     if found.len() != moves.len() {
         return Err(StorageError::Internal("a batch read a different number of reservations".into()));
     }
+    read_buckets(port, &mut rows).await?;
     // Sized up front: a batch's maps grew by rehashing a few times each (~3 % of a
     // `multi-line` order's instructions on PostgreSQL).
     let locked: usize = rows.values().map(HashMap::len).sum();
@@ -117,6 +137,14 @@ pub async fn admit<P: Port>(
     read_at.extend(
         rows.iter().flat_map(|(t, keys)| keys.iter().map(move |(k, r)| ((t.clone(), k.clone()), (r.version, r.stock)))),
     );
+    let bucket_read_at: HashMap<(String, String, i64), i64> = rows
+        .iter()
+        .flat_map(|(t, keys)| {
+            keys.iter().flat_map(move |(k, r)| {
+                r.bucket_rows.iter().map(move |b| ((t.clone(), k.clone(), b.bucket), b.version))
+            })
+        })
+        .collect();
     let mut seen = HashSet::with_capacity(jobs.len());
     let candidates: Vec<usize> = (0..jobs.len())
         .filter(|&i| {
@@ -135,6 +163,9 @@ pub async fn admit<P: Port>(
     let mut writes = BatchWrites::default();
     // Each changed row's time: that of the last write that changed it.
     let mut changed_at: HashMap<(String, String), i64> = HashMap::with_capacity(locked);
+    // The same for each changed bucket row; and the bucketed resources changed.
+    let mut bucket_changed_at: HashMap<(String, String, i64), i64> = HashMap::new();
+    let mut bucketed: HashSet<(String, String)> = HashSet::new();
     for (i, claim) in candidates.into_iter().zip(claims) {
         let (job, now_ms) = jobs[i];
         match claim {
@@ -146,13 +177,21 @@ pub async fn admit<P: Port>(
             Claim::Unsure => continue,
         }
         let tenant_rows = rows.entry(job.tenant.as_str().to_owned()).or_default();
-        let Some(admitted) = admission::admit(tenant_rows, &job.plan, job.order.action) else {
+        let seed = bucket_seed(job.tenant.as_str(), job.idempotency.key.as_str());
+        let Some(admitted) = admission::admit(tenant_rows, &job.plan, job.order.action, seed) else {
             return Err(StorageError::Internal("an eligible order was not admissible".into()));
         };
         let request_id = new_request_id();
         let reservation = new_reservation(job, now_ms);
         for change in &admitted.changes {
-            changed_at.insert((job.tenant.as_str().to_owned(), change.resource.clone()), now_ms);
+            let tenant = job.tenant.as_str().to_owned();
+            match change.bucket {
+                None => changed_at.insert((tenant, change.resource.clone()), now_ms),
+                Some(b) => {
+                    bucketed.insert((tenant.clone(), change.resource.clone()));
+                    bucket_changed_at.insert((tenant, change.resource.clone(), b), now_ms)
+                }
+            };
             let [available, reserved, consumed] = change.after;
             let line_key = job
                 .plan
@@ -164,6 +203,7 @@ pub async fn admit<P: Port>(
             writes.ledger.push(LedgerRow {
                 tenant: job.tenant.as_str().to_owned(),
                 resource: change.resource.clone(),
+                bucket: change.bucket.unwrap_or(0),
                 line_key,
                 limit_key: None,
                 op: change.op,
@@ -179,7 +219,7 @@ pub async fn admit<P: Port>(
         let mut held = None;
         if admitted.status != OrderStatus::Rejected {
             if let Some((id, expires_at)) = &reservation {
-                let lines = reservation_lines(job, &admitted.results, &[]);
+                let lines = reservation_lines(job, &admitted.results, &admitted.takes);
                 let (row, event) = held_reservation(job, id, *expires_at, lines, now_ms)?;
                 held = Some(event);
                 writes.reservations.push(row);
@@ -235,6 +275,7 @@ pub async fn admit<P: Port>(
             writes.ledger.push(LedgerRow {
                 tenant: tenant.to_string(),
                 resource: change.resource.clone(),
+                bucket: 0,
                 line_key: line.key.clone(),
                 limit_key: line.limit_key.clone(),
                 op,
@@ -255,6 +296,37 @@ pub async fn admit<P: Port>(
         crossings(tenant, &mut rows, changed, now_ms, &mut writes.events);
         out.moves[m] = Some(reservations::moved(reservation));
     }
+    // A bucketed resource's own row changes only when its stock band moved (its counters are
+    // its buckets'); it is then written with its counters, version and time as read, as the
+    // per-order path sets only its band.
+    for (tenant, key) in bucketed {
+        let (Some(row), Some(&(read_version, read_band))) =
+            (rows.get(&tenant).and_then(|r| r.get(&key)), read_at.get(&(tenant.clone(), key.clone())))
+        else {
+            return Err(StorageError::Internal(format!("batch admission changed {key}, a row it did not read")));
+        };
+        if row.stock != read_band {
+            let after = Counts {
+                available: row.available,
+                reserved: row.reserved,
+                consumed: row.consumed,
+                version: row.version,
+            };
+            writes.rows.push(RowWrite { tenant, key, after, read_version, stock: Some(row.stock), at: None });
+        }
+    }
+    for ((tenant, key, bucket), at) in bucket_changed_at {
+        let found = rows
+            .get(&tenant)
+            .and_then(|r| r.get(&key))
+            .and_then(|r| r.bucket_rows.get(usize::try_from(bucket).unwrap_or(usize::MAX)));
+        let (Some(b), Some(&read_version)) = (found, bucket_read_at.get(&(tenant.clone(), key.clone(), bucket))) else {
+            return Err(StorageError::Internal(format!("batch admission changed bucket {bucket} of {key}, unread")));
+        };
+        let after = Counts { available: b.available, reserved: b.reserved, consumed: b.consumed, version: b.version };
+        writes.buckets.push(BucketWrite { tenant, key, bucket, after, read_version, at });
+    }
+    writes.buckets.sort_by(|a, b| (&a.tenant, &a.key, a.bucket).cmp(&(&b.tenant, &b.key, b.bucket)));
     // The rows the kept changes touched, each written once as admission left it.
     for (changed, at) in changed_at {
         let (Some(row), Some(&(read_version, read_band))) =
@@ -269,7 +341,7 @@ pub async fn admit<P: Port>(
         let after =
             Counts { available: row.available, reserved: row.reserved, consumed: row.consumed, version: row.version };
         let stock = (row.stock != read_band).then_some(row.stock);
-        writes.rows.push(RowWrite { tenant, key, after, read_version, stock, at });
+        writes.rows.push(RowWrite { tenant, key, after, read_version, stock, at: Some(at) });
     }
     // One global order for the row writes, so two batches never wait on each other in a cycle.
     writes.rows.sort_by(|a, b| (&a.tenant, &a.key).cmp(&(&b.tenant, &b.key)));

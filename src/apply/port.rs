@@ -141,6 +141,8 @@ pub enum Claim {
 pub struct LedgerRow {
     pub tenant: String,
     pub resource: String,
+    /// The bucket row it changed (0: the resource row of a single-bucket resource).
+    pub bucket: i64,
     /// The order line (its key as sent) the entry applied.
     pub line_key: String,
     /// The per-user limit the line counted against (a confirmed reservation's line).
@@ -175,8 +177,27 @@ pub struct RowWrite {
     /// Its stock band after the batch when that differs from the band it was read with (its
     /// stock events are among the batch's events); `None`: the band stays as stored.
     pub stock: Option<StockBand>,
+    /// `updated_at`: the time of the write that last changed it; `None`: left as stored (a
+    /// bucketed resource whose only change is its stock band).
+    pub at: Option<i64>,
+}
+
+/// A bucket row the batch changed, written guarded by the version it was read at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketWrite {
+    pub tenant: String,
+    pub key: String,
+    pub bucket: i64,
+    pub after: Counts,
+    pub read_version: i64,
     /// `updated_at`: the time of the write that last changed it.
     pub at: i64,
+}
+
+/// A batch's bucket write whose guard refused: the bucket moved after the batch read it (a
+/// write that did not declare its resource). Passing: the batch runs again and reads it anew.
+pub fn bucket_moved() -> StorageError {
+    StorageError::Unavailable("a bucket the batch read moved meanwhile".into())
 }
 
 /// An idempotency record the batch stores.
@@ -196,6 +217,8 @@ pub struct Outcome {
 #[derive(Debug, Clone, Default)]
 pub struct BatchWrites {
     pub rows: Vec<RowWrite>,
+    /// Bucket rows, in `(tenant, key, bucket)` order.
+    pub buckets: Vec<BucketWrite>,
     pub ledger: Vec<LedgerRow>,
     pub reservations: Vec<NewReservation>,
     /// Held reservations confirmed, released or expired.

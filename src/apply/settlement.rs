@@ -326,6 +326,7 @@ pub async fn settle_run<P: Port>(
             writes.ledger.push(LedgerRow {
                 tenant: r.t.clone(),
                 resource: r.k.clone(),
+                bucket: 0,
                 line_key: r.lk.clone().unwrap_or_default(),
                 limit_key: r.lim.clone(),
                 op: LedgerOp::Deduct,
@@ -393,7 +394,7 @@ pub async fn settle_run<P: Port>(
             after: counts,
             read_version,
             stock: (band != stock.band).then_some(band),
-            at: now_ms,
+            at: Some(now_ms),
         });
     }
     port.write_batch(&writes).await?;

@@ -9,14 +9,19 @@
 //! in sequence. The storage backends write what this decides (the rows' new counters guarded by
 //! their version, one ledger row per change) and the CHECK constraints still stand behind it.
 //!
-//! Only plans without per-user limits and without create-if-missing targets, on single-bucket
-//! resources, are admitted here; everything else takes the per-order path.
+//! A bucketed resource is decided here too once the batch has read every one of its bucket
+//! rows: a line tries its buckets in the per-order path's order ([`super::buckets::bucket_order`])
+//! and takes from them as it does ([`super::buckets::bucket_takes`]), one change per bucket row.
+//!
+//! Only plans without per-user limits and without create-if-missing targets are admitted here;
+//! everything else takes the per-order path.
 
 use std::collections::HashMap;
 
+use super::buckets::{bucket_order, bucket_takes};
 use super::order::{decide, LineResult, OrderStatus, Reason};
 use super::plan::Plan;
-use super::resource::ReservationLine;
+use super::resource::{BucketCounts, BucketTake, ReservationLine};
 use super::types::{Action, Kind, LedgerOp};
 
 /// A resource row as the batch read it under its lock, and as admission leaves it.
@@ -35,12 +40,33 @@ pub struct Row {
     /// batch's changes, judged without reading the row again).
     pub low_stock: Option<i64>,
     pub stock: crate::events::StockBand,
+    /// A bucketed resource's bucket rows in bucket order, once the batch has read them (empty
+    /// until then). The counters above are then the resource row's own, which its buckets leave
+    /// alone.
+    pub bucket_rows: Vec<BucketCounts>,
 }
 
 impl Row {
-    /// Whether admission may decide against this row: one bucket, sold by the database.
+    /// Whether admission may decide against this row: sold by the database, and either one
+    /// bucket or every bucket read.
     pub fn admissible(&self) -> bool {
-        self.buckets == 1 && !self.redis
+        !self.redis && (self.buckets == 1 || self.has_buckets())
+    }
+
+    /// Whether this is a bucketed resource whose every bucket row was read.
+    pub fn has_buckets(&self) -> bool {
+        self.buckets > 1
+            && usize::try_from(self.buckets).is_ok_and(|n| n == self.bucket_rows.len())
+            && self.bucket_rows.iter().enumerate().all(|(i, b)| usize::try_from(b.bucket).is_ok_and(|b| b == i))
+    }
+
+    /// What is available to sell: a bucketed resource's is its buckets' sum.
+    pub fn sellable(&self) -> i64 {
+        if self.buckets > 1 {
+            self.bucket_rows.iter().fold(0i64, |sum, b| sum.saturating_add(b.available))
+        } else {
+            self.available
+        }
     }
 }
 
@@ -50,6 +76,8 @@ pub struct Change {
     /// The plan line (index into `plan.lines`) it applied.
     pub line: usize,
     pub resource: String,
+    /// The bucket row it changed; `None`: the resource row.
+    pub bucket: Option<i64>,
     pub op: LedgerOp,
     pub qty: i64,
     /// The row's `available, reserved, consumed` after the change.
@@ -64,6 +92,9 @@ pub struct Admitted {
     pub status: OrderStatus,
     /// Its changes, in the order made; empty when the order was rejected.
     pub changes: Vec<Change>,
+    /// Per plan line, what each bucket gave (empty for a single-bucket resource or a line not
+    /// applied), as a reservation keeps it.
+    pub takes: Vec<Vec<BucketTake>>,
 }
 
 /// Whether admission can decide this plan alone (no per-user limits, no resource creation).
@@ -72,9 +103,12 @@ pub fn admissible(plan: &Plan) -> bool {
 }
 
 /// Decides one order against `rows` (keyed by resource key; a key that is absent is a resource
-/// that does not exist) and applies its changes to them. `None`: a target is bucketed, so this
-/// (or in redis mode), so this order must take the per-order path; `rows` is then untouched.
-pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action) -> Option<Admitted> {
+/// that does not exist) and applies its changes to them; `seed` picks the first bucket a line
+/// tries when its plan names none ([`super::buckets::bucket_seed`]). `None`: a target is one
+/// admission may not decide (in redis mode, or bucketed with its buckets unread), or a line
+/// reached a bucketed target its plan names a bucket of that it does not have (the per-order
+/// path refuses the plan); the order must take the per-order path, and `rows` is untouched.
+pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action, seed: u64) -> Option<Admitted> {
     let elsewhere = |key: &str| rows.get(key).is_some_and(|r| !r.admissible());
     if plan.lines.iter().flat_map(|l| &l.targets).any(|t| elsewhere(t.resource.as_str())) {
         return None;
@@ -84,8 +118,25 @@ pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action) -> Op
         Action::Reserve => LedgerOp::Reserve,
     };
     let mut results = vec![LineResult::Rejected(Reason::Skipped); plan.lines.len()];
+    let mut takes = vec![Vec::new(); plan.lines.len()];
     let mut changes = Vec::new();
-    let mut undo: Vec<(String, Row)> = Vec::new();
+    // The counters each change found (a bucket's, or the resource row's), to put back.
+    let mut undo: Vec<(String, Option<usize>, [i64; 4])> = Vec::new();
+    let restore = |rows: &mut HashMap<String, Row>, undo: Vec<(String, Option<usize>, [i64; 4])>| {
+        for (key, bucket, [available, reserved, consumed, version]) in undo.into_iter().rev() {
+            let Some(row) = rows.get_mut(&key) else { continue };
+            match bucket {
+                None => {
+                    (row.available, row.reserved, row.consumed, row.version) = (available, reserved, consumed, version)
+                }
+                Some(b) => {
+                    if let Some(b) = row.bucket_rows.get_mut(b) {
+                        (b.available, b.reserved, b.consumed, b.version) = (available, reserved, consumed, version);
+                    }
+                }
+            }
+        }
+    };
     for i in plan.lock_sequence() {
         let line = &plan.lines[i];
         let mut first_refusal = None;
@@ -96,7 +147,7 @@ pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action) -> Op
                 None => Some(Reason::ResourceNotFound),
                 Some(row) if target.kind.is_some_and(|k| k != row.kind) => Some(Reason::ResourceNotFound),
                 Some(row) if !row.active => Some(Reason::ResourceInactive),
-                Some(row) if row.available < line.qty => Some(Reason::Insufficient),
+                Some(row) if row.sellable() < line.qty => Some(Reason::Insufficient),
                 Some(_) => None,
             };
             if let Some(reason) = refusal {
@@ -104,21 +155,54 @@ pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action) -> Op
                 continue;
             }
             let Some(row) = rows.get_mut(key) else { continue };
-            undo.push((key.to_string(), row.clone()));
-            row.available -= line.qty;
-            match action {
-                Action::Deduct => row.consumed += line.qty,
-                Action::Reserve => row.reserved += line.qty,
+            if row.buckets > 1 {
+                let Ok(order) = bucket_order(&target.buckets, row.buckets, seed) else {
+                    restore(rows, undo);
+                    return None;
+                };
+                let available: Vec<i64> = row.bucket_rows.iter().map(|b| b.available).collect();
+                let Some(taken) = bucket_takes(&order, &available, line.qty) else {
+                    first_refusal.get_or_insert(Reason::Insufficient);
+                    continue;
+                };
+                for &(bucket, qty) in &taken {
+                    let found = usize::try_from(bucket).ok().and_then(|i| Some((i, row.bucket_rows.get_mut(i)?)));
+                    let Some((index, b)) = found else {
+                        restore(rows, undo);
+                        return None;
+                    };
+                    undo.push((key.to_string(), Some(index), [b.available, b.reserved, b.consumed, b.version]));
+                    move_out(action, qty, &mut b.available, [&mut b.reserved, &mut b.consumed], &mut b.version);
+                    changes.push(Change {
+                        line: i,
+                        resource: key.to_string(),
+                        bucket: Some(bucket),
+                        op,
+                        qty,
+                        after: [b.available, b.reserved, b.consumed],
+                        version_after: b.version,
+                    });
+                }
+                takes[i] = taken.into_iter().map(|(bucket, qty)| BucketTake { bucket, qty }).collect();
+            } else {
+                undo.push((key.to_string(), None, [row.available, row.reserved, row.consumed, row.version]));
+                move_out(
+                    action,
+                    line.qty,
+                    &mut row.available,
+                    [&mut row.reserved, &mut row.consumed],
+                    &mut row.version,
+                );
+                changes.push(Change {
+                    line: i,
+                    resource: key.to_string(),
+                    bucket: None,
+                    op,
+                    qty: line.qty,
+                    after: [row.available, row.reserved, row.consumed],
+                    version_after: row.version,
+                });
             }
-            row.version += 1;
-            changes.push(Change {
-                line: i,
-                resource: key.to_string(),
-                op,
-                qty: line.qty,
-                after: [row.available, row.reserved, row.consumed],
-                version_after: row.version,
-            });
             results[i] = LineResult::Applied(t);
             first_refusal = None;
             break;
@@ -129,12 +213,21 @@ pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action) -> Op
     }
     let status = decide(plan, &results);
     if status == OrderStatus::Rejected {
-        for (key, row) in undo.into_iter().rev() {
-            rows.insert(key, row);
-        }
+        restore(rows, undo);
         changes.clear();
+        takes.iter_mut().for_each(Vec::clear);
     }
-    Some(Admitted { results, status, changes })
+    Some(Admitted { results, status, changes, takes })
+}
+
+/// Moves `qty` out of `available`: into `reserved` for a reservation, `consumed` for a deduction.
+fn move_out(action: Action, qty: i64, available: &mut i64, [reserved, consumed]: [&mut i64; 2], version: &mut i64) {
+    *available -= qty;
+    match action {
+        Action::Deduct => *consumed += qty,
+        Action::Reserve => *reserved += qty,
+    }
+    *version += 1;
 }
 
 /// Moves a held reservation's `lines` out of `reserved` against `rows`, as its confirm (`op`
@@ -154,6 +247,7 @@ pub fn move_held(rows: &mut HashMap<String, Row>, lines: &[ReservationLine], op:
     let decidable = order.windows(2).all(|w| lines[w[0]].resource != lines[w[1]].resource)
         && lines.iter().all(|l| {
             l.buckets.is_empty()
+                && rows.get(&l.resource).is_some_and(|r| r.buckets == 1)
                 && (confirming || l.limit_key.is_none())
                 && rows.get(&l.resource).is_some_and(|r| r.admissible() && r.reserved >= l.qty && l.qty >= 0)
         });
@@ -174,6 +268,7 @@ pub fn move_held(rows: &mut HashMap<String, Row>, lines: &[ReservationLine], op:
         changes.push(Change {
             line: i,
             resource: line.resource.clone(),
+            bucket: None,
             op,
             qty: line.qty,
             after: [row.available, row.reserved, row.consumed],
@@ -201,6 +296,7 @@ mod tests {
             version: 1,
             low_stock: None,
             stock: crate::events::StockBand::Ok,
+            bucket_rows: Vec::new(),
         }
     }
 
@@ -229,11 +325,11 @@ mod tests {
     fn orders_are_admitted_in_sequence_against_the_rows_as_left() {
         let mut rows = HashMap::from([("a".to_string(), row(3))]);
         let one = plan(PartialPolicy::AllOrNothing, &[(&["a"], 2)]);
-        let first = admit(&mut rows, &one, Action::Deduct).expect("admissible");
+        let first = admit(&mut rows, &one, Action::Deduct, 0).expect("admissible");
         assert_eq!(first.status, OrderStatus::Succeeded);
         assert_eq!(first.changes[0].after, [1, 0, 2]);
         assert_eq!(first.changes[0].version_after, 2);
-        let second = admit(&mut rows, &one, Action::Deduct).expect("admissible");
+        let second = admit(&mut rows, &one, Action::Deduct, 0).expect("admissible");
         assert_eq!(second.status, OrderStatus::Rejected);
         assert_eq!(second.results, vec![LineResult::Rejected(Reason::Insufficient)]);
         assert!(second.changes.is_empty());
@@ -245,11 +341,11 @@ mod tests {
         let mut rows = HashMap::from([("a".to_string(), row(5)), ("b".to_string(), row(0))]);
         let before = rows.clone();
         let both = plan(PartialPolicy::AllOrNothing, &[(&["a"], 2), (&["b"], 1)]);
-        let admitted = admit(&mut rows, &both, Action::Reserve).expect("admissible");
+        let admitted = admit(&mut rows, &both, Action::Reserve, 0).expect("admissible");
         assert_eq!(admitted.status, OrderStatus::Rejected);
         assert_eq!(rows, before);
         let partial = plan(PartialPolicy::AllowPartial, &[(&["a"], 2), (&["b"], 1), (&["zz"], 1)]);
-        let admitted = admit(&mut rows, &partial, Action::Reserve).expect("admissible");
+        let admitted = admit(&mut rows, &partial, Action::Reserve, 0).expect("admissible");
         assert_eq!(admitted.status, OrderStatus::Partial);
         assert_eq!(
             admitted.results,
@@ -262,6 +358,61 @@ mod tests {
         assert_eq!((rows["a"].available, rows["a"].reserved), (3, 2));
     }
 
+    fn bucketed(availables: &[i64]) -> Row {
+        let bucket_rows = availables
+            .iter()
+            .enumerate()
+            .map(|(i, &available)| BucketCounts {
+                bucket: i as i64,
+                available,
+                reserved: 0,
+                consumed: 0,
+                version: 1,
+                updated_at_ms: 0,
+            })
+            .collect();
+        Row { buckets: availables.len() as i64, available: 0, bucket_rows, ..row(0) }
+    }
+
+    #[test]
+    fn a_bucketed_line_takes_from_the_buckets_in_order_and_a_rejection_puts_them_back() {
+        let mut rows = HashMap::from([("a".to_string(), bucketed(&[2, 3, 1])), ("b".to_string(), row(0))]);
+        let mut preferring = plan(PartialPolicy::AllOrNothing, &[(&["a"], 4)]);
+        preferring.lines[0].targets[0].buckets = vec![2, 0];
+        // No bucket holds 4: bucket 2 (1), then 0 (2), then 1 (1 of its 3).
+        let admitted = admit(&mut rows, &preferring, Action::Reserve, 0).expect("admissible");
+        assert_eq!(admitted.status, OrderStatus::Succeeded);
+        let took: Vec<(Option<i64>, i64, [i64; 3], i64)> =
+            admitted.changes.iter().map(|c| (c.bucket, c.qty, c.after, c.version_after)).collect();
+        assert_eq!(took, vec![(Some(2), 1, [0, 1, 0], 2), (Some(0), 2, [0, 2, 0], 2), (Some(1), 1, [2, 1, 0], 2)]);
+        assert_eq!(
+            admitted.takes,
+            vec![vec![
+                BucketTake { bucket: 2, qty: 1 },
+                BucketTake { bucket: 0, qty: 2 },
+                BucketTake { bucket: 1, qty: 1 }
+            ]]
+        );
+        assert_eq!((rows["a"].sellable(), rows["a"].available, rows["a"].version), (2, 0, 1));
+
+        let before = rows.clone();
+        let both = plan(PartialPolicy::AllOrNothing, &[(&["a"], 2), (&["b"], 1)]);
+        let rejected = admit(&mut rows, &both, Action::Deduct, 0).expect("admissible");
+        assert_eq!(rejected.status, OrderStatus::Rejected);
+        assert!(rejected.changes.is_empty() && rejected.takes.iter().all(Vec::is_empty));
+        assert_eq!(rows, before);
+
+        // A bucket the resource does not have: the per-order path refuses the plan.
+        let mut beyond = plan(PartialPolicy::AllOrNothing, &[(&["a"], 1)]);
+        beyond.lines[0].targets[0].buckets = vec![3];
+        assert!(admit(&mut rows, &beyond, Action::Deduct, 0).is_none());
+        assert_eq!(rows, before);
+        // Buckets not all read: left to the per-order path.
+        rows.get_mut("a").map(|r| r.bucket_rows.pop());
+        let one = plan(PartialPolicy::AllOrNothing, &[(&["a"], 1)]);
+        assert!(admit(&mut rows, &one, Action::Deduct, 0).is_none());
+    }
+
     #[test]
     fn a_line_falls_back_to_its_next_target_and_bucketed_rows_are_left_to_the_slow_path() {
         let mut rows = HashMap::from([("a".to_string(), row(0)), ("b".to_string(), row(4))]);
@@ -269,14 +420,14 @@ mod tests {
             r.active = false;
         }
         let fallback = plan(PartialPolicy::AllOrNothing, &[(&["a", "b"], 3)]);
-        let admitted = admit(&mut rows, &fallback, Action::Deduct).expect("admissible");
+        let admitted = admit(&mut rows, &fallback, Action::Deduct, 0).expect("admissible");
         assert_eq!(admitted.results, vec![LineResult::Applied(1)]);
         assert_eq!(admitted.changes[0].resource, "b");
         if let Some(r) = rows.get_mut("b") {
             r.buckets = 4;
         }
         let before = rows.clone();
-        assert!(admit(&mut rows, &fallback, Action::Deduct).is_none());
+        assert!(admit(&mut rows, &fallback, Action::Deduct, 0).is_none());
         assert_eq!(rows, before);
     }
 }

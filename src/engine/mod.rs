@@ -3,6 +3,7 @@
 //! the same rules and the rules are unit-tested without a database.
 
 pub mod admission;
+pub mod buckets;
 pub mod order;
 pub mod plan;
 pub mod resource;

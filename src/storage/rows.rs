@@ -131,6 +131,7 @@ pub fn locked_rows<R: ByPosition>(rows: &[R]) -> Result<crate::apply::port::Lock
             version: row.int_at(9)?,
             low_stock: row.opt_int_at(10)?,
             stock: crate::events::StockBand::from_db(row.str_at(11)?).ok_or_else(|| corrupt("resources.stock"))?,
+            bucket_rows: Vec::new(),
         };
         let tenant = row.str_at(0)?;
         let by_key = match locked.get_mut(tenant) {

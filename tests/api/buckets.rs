@@ -23,8 +23,8 @@ use serde_json::{json, Value};
 use tokio::sync::Barrier;
 
 use crate::helpers::{
-    assert_counts, assert_problem, deduct, entries_with_op, plugin_wasm, reserve, spawn_app_with, tamper, try_send,
-    unique, AppOptions, Counts, Reply, TenantClient,
+    assert_counts, assert_problem, deduct, entries_with_op, metric, plugin_wasm, reserve, spawn_app_with, tamper,
+    try_send, unique, AppOptions, Counts, Reply, TenantClient,
 };
 
 /// A rebalance interval no test outlives: per-bucket numbers only change by the test's requests.
@@ -872,6 +872,8 @@ async fn a_plan_naming_a_missing_bucket_fails_the_order_and_applies_nothing() {
 /// deducts on 500 in 16 buckets: exactly 500 succeed, the other 140 are `409 insufficient`, no
 /// bucket is negative, every bucket is empty, 500 deduct entries of one bucket each from 500
 /// distinct orders, the per-bucket replay equals `bucket_counts`, and reconciliation is clean.
+/// The orders that met in one group commit were decided together by batch admission, buckets
+/// and all, rather than one after another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_clients_racing_on_sixteen_buckets_get_exactly_the_total() {
     let app = spawn_app_with(AppOptions::default()).await;
@@ -917,6 +919,10 @@ async fn sixty_four_clients_racing_on_sixteen_buckets_get_exactly_the_total() {
     let orders: HashSet<&str> = deducts.iter().filter_map(|e| e["order_id"].as_str()).collect();
     assert_eq!(orders.len(), 500);
     shop.assert_reconciliation_clean(1).await;
+    let admitted = metric(&app, "stockd_orders_admitted_in_batch_total", &[]).await;
+    assert!(admitted > 0.0, "no order of 640 on a bucketed resource was decided by batch admission");
+    let logs = app.logs();
+    assert!(!logs.contains("batch admission failed"), "batch admission failed:\n{logs}");
 }
 
 /// Proves "never refused while the total covers it" under a race, with the rebalancer running

@@ -784,8 +784,8 @@ impl Port for MyPort<'_> {
         let mut written = 0;
         for r in &w.rows {
             written += sqlx::query(
-                "UPDATE resources SET available = ?, reserved = ?, consumed = ?, version = ?, updated_at = ?,
-                        stock = COALESCE(?, stock)
+                "UPDATE resources SET available = ?, reserved = ?, consumed = ?, version = ?,
+                        updated_at = COALESCE(?, updated_at), stock = COALESCE(?, stock)
                  WHERE tenant_id = ? AND `key` = ? AND version = ?",
             )
             .bind(r.after.available)
@@ -801,12 +801,34 @@ impl Port for MyPort<'_> {
             .await?
             .rows_affected();
         }
+        let mut bucketed = 0;
+        for b in &w.buckets {
+            bucketed += sqlx::query(
+                "UPDATE resource_buckets SET available = ?, reserved = ?, consumed = ?, version = ?, updated_at = ?
+                 WHERE tenant_id = ? AND resource_key = ? AND bucket = ? AND version = ?",
+            )
+            .bind(b.after.available)
+            .bind(b.after.reserved)
+            .bind(b.after.consumed)
+            .bind(b.after.version)
+            .bind(b.at)
+            .bind(&b.tenant)
+            .bind(&b.key)
+            .bind(b.bucket)
+            .bind(b.read_version)
+            .execute(&mut *self.conn)
+            .await?
+            .rows_affected();
+        }
+        if bucketed != w.buckets.len() as u64 {
+            return Err(crate::apply::port::bucket_moved());
+        }
         let sql = many(LEDGER_INSERT, 17, w.ledger.len());
         let ledgered = self
             .insert_many(&sql, &w.ledger, |q, x| {
                 q.bind(&x.tenant)
                     .bind(&x.resource)
-                    .bind(0i64)
+                    .bind(x.bucket)
                     .bind(x.op.as_str())
                     .bind(x.qty)
                     .bind(&x.request_id)

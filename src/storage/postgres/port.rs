@@ -800,25 +800,43 @@ impl Port for PgPort<'_> {
         fn col<T, U>(items: &[T], f: impl Fn(&T) -> U) -> Vec<U> {
             items.iter().map(f).collect()
         }
+        type Statement<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+        /// Four arrays: each item's counters after, `available, reserved, consumed, version`.
+        fn after<'q, T>(query: Statement<'q>, items: &[T], f: impl Fn(&T) -> Counts) -> Statement<'q> {
+            query
+                .bind(col(items, |x| f(x).available))
+                .bind(col(items, |x| f(x).reserved))
+                .bind(col(items, |x| f(x).consumed))
+                .bind(col(items, |x| f(x).version))
+        }
         let (c, l, r, o, ev, m) = (&w.rows, &w.ledger, &w.reservations, &w.outcomes, &w.events, &w.moves);
-        let counts = sqlx::query(
+        let b = &w.buckets;
+        let statement = sqlx::query(
             "WITH written AS (
                 UPDATE resources r SET available = u.available, reserved = u.reserved, consumed = u.consumed,
-                       version = u.version, updated_at = u.at, stock = COALESCE(u.stock, r.stock)
+                       version = u.version, updated_at = COALESCE(u.at, r.updated_at), stock = COALESCE(u.stock, r.stock)
                 FROM UNNEST($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[],
                             $8::bigint[], $34::text[])
                      AS u (tenant_id, key, available, reserved, consumed, version, was, at, stock)
                 WHERE r.tenant_id = u.tenant_id AND r.key = u.key AND r.version = u.was
                 RETURNING 1),
+             bucketed AS (
+                UPDATE resource_buckets b SET available = u.available, reserved = u.reserved, consumed = u.consumed,
+                       version = u.version, updated_at = u.at
+                FROM UNNEST($43::text[], $44::text[], $45::bigint[], $46::bigint[], $47::bigint[], $48::bigint[],
+                            $49::bigint[], $50::bigint[], $51::bigint[])
+                     AS u (tenant_id, key, bucket, available, reserved, consumed, version, was, at)
+                WHERE b.tenant_id = u.tenant_id AND b.resource_key = u.key AND b.bucket = u.bucket AND b.version = u.was
+                RETURNING 1),
              ledgered AS (
                 INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
                                     available_after, reserved_after, consumed_after, version_after, plugin_version, at,
                                     line_key, limit_key)
-                SELECT t, k, 0, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk, lm
+                SELECT t, k, b, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk, lm
                 FROM UNNEST($9::text[], $10::text[], $11::text[], $12::bigint[], $13::text[], $14::text[], $15::text[],
                             $16::bigint[], $17::bigint[], $18::bigint[], $19::bigint[], $20::bigint[], $21::bigint[],
-                            $33::text[], $35::text[])
-                     WITH ORDINALITY AS u (t, k, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk, lm, n)
+                            $33::text[], $35::text[], $52::bigint[])
+                     WITH ORDINALITY AS u (t, k, o, q, rq, oi, ri, a, rs, cs, v, pv, at, lk, lm, b, n)
                 ORDER BY n
                 RETURNING 1),
              held AS (
@@ -839,54 +857,56 @@ impl Port for PgPort<'_> {
                                      $42::text[], $41::bigint[])
                 ON CONFLICT (tenant_id, key) DO NOTHING
                 RETURNING 1)
-             SELECT (SELECT COUNT(*) FROM written) AS written, (SELECT COUNT(*) FROM ledgered) AS ledgered,
+             SELECT (SELECT COUNT(*) FROM written) AS written, (SELECT COUNT(*) FROM bucketed) AS bucketed,
+                    (SELECT COUNT(*) FROM ledgered) AS ledgered,
                     (SELECT COUNT(*) FROM held) AS held, (SELECT COUNT(*) FROM moved) AS moved,
                     (SELECT COUNT(*) FROM answered) AS answered",
         )
         .bind(col(c, |x| x.tenant.clone()))
-        .bind(col(c, |x| x.key.clone()))
-        .bind(col(c, |x| x.after.available))
-        .bind(col(c, |x| x.after.reserved))
-        .bind(col(c, |x| x.after.consumed))
-        .bind(col(c, |x| x.after.version))
-        .bind(col(c, |x| x.read_version))
-        .bind(col(c, |x| x.at))
-        .bind(col(l, |x| x.tenant.clone()))
-        .bind(col(l, |x| x.resource.clone()))
-        .bind(col(l, |x| x.op.as_str()))
-        .bind(col(l, |x| x.qty))
-        .bind(col(l, |x| x.request_id.clone()))
-        .bind(col(l, |x| x.order_id.clone()))
-        .bind(col(l, |x| x.reservation_id.clone()))
-        .bind(col(l, |x| x.after.available))
-        .bind(col(l, |x| x.after.reserved))
-        .bind(col(l, |x| x.after.consumed))
-        .bind(col(l, |x| x.after.version))
-        .bind(col(l, |x| x.plugin_version))
-        .bind(col(l, |x| x.at))
-        .bind(col(r, |x| x.tenant.clone()))
-        .bind(col(r, |x| x.id.clone()))
-        .bind(col(r, |x| x.order_id.clone()))
-        .bind(col(r, |x| x.lines.clone()))
-        .bind(col(r, |x| x.expires_at))
-        .bind(col(r, |x| x.created_at))
-        .bind(col(o, |x| x.tenant.clone()))
-        .bind(col(o, |x| x.key.clone()))
-        .bind(col(o, |x| i32::from(x.response.status)))
-        .bind(col(o, |x| x.response.content_type.as_str()))
-        .bind(col(o, |x| body_columns(&x.response, x.event.as_deref()).0.map(std::borrow::Cow::into_owned)))
-        .bind(col(l, |x| x.line_key.clone()))
-        .bind(col(c, |x| x.stock.map(|s| s.as_str())))
-        .bind(col(l, |x| x.limit_key.clone()))
-        .bind(col(m, |x| x.tenant.clone()))
-        .bind(col(m, |x| x.id.clone()))
-        .bind(col(m, |x| x.to.as_str()))
-        .bind(col(m, |x| x.at))
-        .bind(col(o, |x| stored_hash(&x.request_hash).to_owned()))
-        .bind(col(o, |x| x.at))
-        .bind(col(o, |x| x.event.clone()))
-        .fetch_one(&mut *self.conn)
-        .await?;
+        .bind(col(c, |x| x.key.clone()));
+        let statement = after(statement, c, |x| x.after)
+            .bind(col(c, |x| x.read_version))
+            .bind(col(c, |x| x.at))
+            .bind(col(l, |x| x.tenant.clone()))
+            .bind(col(l, |x| x.resource.clone()))
+            .bind(col(l, |x| x.op.as_str()))
+            .bind(col(l, |x| x.qty))
+            .bind(col(l, |x| x.request_id.clone()))
+            .bind(col(l, |x| x.order_id.clone()))
+            .bind(col(l, |x| x.reservation_id.clone()));
+        let statement = after(statement, l, |x| x.after)
+            .bind(col(l, |x| x.plugin_version))
+            .bind(col(l, |x| x.at))
+            .bind(col(r, |x| x.tenant.clone()))
+            .bind(col(r, |x| x.id.clone()))
+            .bind(col(r, |x| x.order_id.clone()))
+            .bind(col(r, |x| x.lines.clone()))
+            .bind(col(r, |x| x.expires_at))
+            .bind(col(r, |x| x.created_at))
+            .bind(col(o, |x| x.tenant.clone()))
+            .bind(col(o, |x| x.key.clone()))
+            .bind(col(o, |x| i32::from(x.response.status)))
+            .bind(col(o, |x| x.response.content_type.as_str()))
+            .bind(col(o, |x| body_columns(&x.response, x.event.as_deref()).0.map(std::borrow::Cow::into_owned)))
+            .bind(col(l, |x| x.line_key.clone()))
+            .bind(col(c, |x| x.stock.map(|s| s.as_str())))
+            .bind(col(l, |x| x.limit_key.clone()))
+            .bind(col(m, |x| x.tenant.clone()))
+            .bind(col(m, |x| x.id.clone()))
+            .bind(col(m, |x| x.to.as_str()))
+            .bind(col(m, |x| x.at))
+            .bind(col(o, |x| stored_hash(&x.request_hash).to_owned()))
+            .bind(col(o, |x| x.at))
+            .bind(col(o, |x| x.event.clone()))
+            .bind(col(b, |x| x.tenant.clone()))
+            .bind(col(b, |x| x.key.clone()))
+            .bind(col(b, |x| x.bucket));
+        let counts = after(statement, b, |x| x.after)
+            .bind(col(b, |x| x.read_version))
+            .bind(col(b, |x| x.at))
+            .bind(col(l, |x| x.bucket))
+            .fetch_one(&mut *self.conn)
+            .await?;
         let count = |name: &str| -> Result<u64, StorageError> { Ok(counts.try_get::<i64, _>(name)?.max(0) as u64) };
         if count("answered")? != o.len() as u64 {
             // Another transaction used one of the keys first, after `claim_keys` read them: its
@@ -895,6 +915,9 @@ impl Port for PgPort<'_> {
             return Err(StorageError::Unavailable(
                 "an idempotency key of the batch was used by another transaction meanwhile".into(),
             ));
+        }
+        if count("bucketed")? != b.len() as u64 {
+            return Err(crate::apply::port::bucket_moved());
         }
         for (name, want) in [("written", c.len()), ("ledgered", l.len()), ("held", r.len()), ("moved", m.len())] {
             if count(name)? != want as u64 {

@@ -294,6 +294,7 @@ impl<'c> SqlitePort<'c> {
                 version,
                 low_stock,
                 stock: StockBand::from_db(&stock).ok_or_else(|| corrupt("resources.stock"))?,
+                bucket_rows: Vec::new(),
             };
             rows.entry(tenant.to_string()).or_default().insert(key.to_string(), parsed);
         }
@@ -701,19 +702,46 @@ impl Port for SqlitePort<'_> {
             ];
             let sql = match &band {
                 None => {
-                    "UPDATE resources SET available = ?1, reserved = ?2, consumed = ?3, version = ?4, updated_at = ?5
+                    "UPDATE resources SET available = ?1, reserved = ?2, consumed = ?3, version = ?4,
+                                          updated_at = COALESCE(?5, updated_at)
                      WHERE tenant_id = ?6 AND key = ?7 AND version = ?8"
                 }
                 Some(band) => {
                     values.push(band);
-                    "UPDATE resources SET available = ?1, reserved = ?2, consumed = ?3, version = ?4, updated_at = ?5,
-                                          stock = ?9
+                    "UPDATE resources SET available = ?1, reserved = ?2, consumed = ?3, version = ?4,
+                                          updated_at = COALESCE(?5, updated_at), stock = ?9
                      WHERE tenant_id = ?6 AND key = ?7 AND version = ?8"
                 }
             };
             let written = self.conn.prepare_cached(sql)?.execute(values.as_slice())?;
             if written != 1 {
                 return Err(StorageError::Internal(format!("resource {} changed under the writer", row.key)));
+            }
+        }
+        if !w.buckets.is_empty() {
+            let mut buckets = self.conn.prepare_cached(
+                "UPDATE resource_buckets SET available = ?1, reserved = ?2, consumed = ?3, version = ?4, updated_at = ?5
+                 WHERE tenant_id = ?6 AND resource_key = ?7 AND bucket = ?8 AND version = ?9",
+            )?;
+            for b in &w.buckets {
+                let (after, key) = (&b.after, &b.key);
+                let written = buckets.execute(params![
+                    after.available,
+                    after.reserved,
+                    after.consumed,
+                    after.version,
+                    b.at,
+                    b.tenant,
+                    key,
+                    b.bucket,
+                    b.read_version
+                ])?;
+                if written != 1 {
+                    return Err(StorageError::Internal(format!(
+                        "bucket {} of {key} changed under the writer",
+                        b.bucket
+                    )));
+                }
             }
         }
         // Each statement looked up once for the batch: `prepare_cached` hashes its SQL text at
@@ -723,7 +751,7 @@ impl Port for SqlitePort<'_> {
             let entry = Entry {
                 tenant: &l.tenant,
                 resource: &l.resource,
-                bucket: 0,
+                bucket: l.bucket,
                 op: l.op,
                 qty: l.qty,
                 request_id: &l.request_id,
