@@ -86,6 +86,32 @@ fn crossings(
     }
 }
 
+/// The rows a batch's kept changes touched, each with the time of the last write that changed it.
+#[derive(Default)]
+struct Touched {
+    /// Resource rows, by tenant and key.
+    rows: HashMap<(String, String), i64>,
+    /// Bucket rows, by tenant, key and bucket.
+    buckets: HashMap<(String, String, i64), i64>,
+    /// The bucketed resources whose buckets changed.
+    bucketed: HashSet<(String, String)>,
+}
+
+impl Touched {
+    fn note(&mut self, tenant: &str, change: &admission::Change, at: i64) {
+        let resource = (tenant.to_owned(), change.resource.clone());
+        match change.bucket {
+            None => {
+                self.rows.insert(resource, at);
+            }
+            Some(b) => {
+                self.buckets.insert((resource.0.clone(), resource.1.clone(), b), at);
+                self.bucketed.insert(resource);
+            }
+        }
+    }
+}
+
 /// Reads every bucket row of the bucketed, database-mode resources among `rows` into them, so
 /// admission can decide their orders. The batch holds their resource rows (locked where several
 /// processes write), as every batch that declared them does before it moves their buckets; a
@@ -161,11 +187,7 @@ pub async fn admit<P: Port>(
 
     let mut out = Decided { orders: vec![None; jobs.len()], moves: vec![None; moves.len()] };
     let mut writes = BatchWrites::default();
-    // Each changed row's time: that of the last write that changed it.
-    let mut changed_at: HashMap<(String, String), i64> = HashMap::with_capacity(locked);
-    // The same for each changed bucket row; and the bucketed resources changed.
-    let mut bucket_changed_at: HashMap<(String, String, i64), i64> = HashMap::new();
-    let mut bucketed: HashSet<(String, String)> = HashSet::new();
+    let mut touched = Touched { rows: HashMap::with_capacity(locked), ..Touched::default() };
     for (i, claim) in candidates.into_iter().zip(claims) {
         let (job, now_ms) = jobs[i];
         match claim {
@@ -184,14 +206,7 @@ pub async fn admit<P: Port>(
         let request_id = new_request_id();
         let reservation = new_reservation(job, now_ms);
         for change in &admitted.changes {
-            let tenant = job.tenant.as_str().to_owned();
-            match change.bucket {
-                None => changed_at.insert((tenant, change.resource.clone()), now_ms),
-                Some(b) => {
-                    bucketed.insert((tenant.clone(), change.resource.clone()));
-                    bucket_changed_at.insert((tenant, change.resource.clone(), b), now_ms)
-                }
-            };
+            touched.note(job.tenant.as_str(), change, now_ms);
             let [available, reserved, consumed] = change.after;
             let line_key = job
                 .plan
@@ -269,13 +284,13 @@ pub async fn admit<P: Port>(
         let Some(tenant_rows) = rows.get_mut(tenant) else { continue };
         let Some(changes) = admission::move_held(tenant_rows, &reservation.lines, op) else { continue };
         for change in &changes {
-            changed_at.insert((tenant.to_string(), change.resource.clone()), now_ms);
+            touched.note(tenant, change, now_ms);
             let line = &reservation.lines[change.line];
             let [available, reserved, consumed] = change.after;
             writes.ledger.push(LedgerRow {
                 tenant: tenant.to_string(),
                 resource: change.resource.clone(),
-                bucket: 0,
+                bucket: change.bucket.unwrap_or(0),
                 line_key: line.key.clone(),
                 limit_key: line.limit_key.clone(),
                 op,
@@ -299,7 +314,7 @@ pub async fn admit<P: Port>(
     // A bucketed resource's own row changes only when its stock band moved (its counters are
     // its buckets'); it is then written with its counters, version and time as read, as the
     // per-order path sets only its band.
-    for (tenant, key) in bucketed {
+    for (tenant, key) in touched.bucketed {
         let (Some(row), Some(&(read_version, read_band))) =
             (rows.get(&tenant).and_then(|r| r.get(&key)), read_at.get(&(tenant.clone(), key.clone())))
         else {
@@ -315,7 +330,7 @@ pub async fn admit<P: Port>(
             writes.rows.push(RowWrite { tenant, key, after, read_version, stock: Some(row.stock), at: None });
         }
     }
-    for ((tenant, key, bucket), at) in bucket_changed_at {
+    for ((tenant, key, bucket), at) in touched.buckets {
         let found = rows
             .get(&tenant)
             .and_then(|r| r.get(&key))
@@ -328,7 +343,7 @@ pub async fn admit<P: Port>(
     }
     writes.buckets.sort_by(|a, b| (&a.tenant, &a.key, a.bucket).cmp(&(&b.tenant, &b.key, b.bucket)));
     // The rows the kept changes touched, each written once as admission left it.
-    for (changed, at) in changed_at {
+    for (changed, at) in touched.rows {
         let (Some(row), Some(&(read_version, read_band))) =
             (rows.get(&changed.0).and_then(|r| r.get(&changed.1)), read_at.get(&changed))
         else {

@@ -219,8 +219,8 @@ fn order_op() -> impl Strategy<Value = Op> {
     prop_oneof![
         8 => order_spec().prop_map(Op::Order),
         2 => (0..64usize).prop_map(Op::Replay),
-        2 => (0..16usize).prop_map(Op::Confirm),
-        1 => (0..16usize).prop_map(Op::Release),
+        3 => (0..16usize).prop_map(Op::Confirm),
+        2 => (0..16usize).prop_map(Op::Release),
     ]
 }
 
@@ -394,8 +394,10 @@ struct Decided {
     moved: usize,
     /// Left to the per-order path by admission (in groups of two or more).
     left: usize,
-    /// Admitted orders that took from a bucketed resource.
+    /// Admitted orders that took from a bucketed resource, and admitted moves of reservations
+    /// that did.
     bucketed: usize,
+    bucketed_moves: usize,
 }
 
 /// How often each path was taken, over every case; the test fails if admission or the mixed
@@ -409,8 +411,10 @@ struct Stats {
     left: Cell<usize>,
     /// Groups where admission decided some orders and left others.
     mixed: Cell<usize>,
-    /// Orders admission applied that took from a bucketed resource.
+    /// Orders admission applied that took from a bucketed resource, and moves it made of
+    /// reservations that did.
     bucketed: Cell<usize>,
+    bucketed_moves: Cell<usize>,
 }
 
 fn bump(cell: &Cell<usize>, by: usize) {
@@ -540,6 +544,7 @@ impl Db {
                 moved: 0,
                 left: 0,
                 bucketed: 0,
+                bucketed_moves: 0,
             };
             let orders: Vec<usize> = (0..group.len()).filter(|&i| matches!(group[i].0, Item::Order(_))).collect();
             let moves: Vec<usize> = (0..group.len()).filter(|&i| matches!(group[i].0, Item::Move { .. })).collect();
@@ -604,6 +609,9 @@ impl Db {
                     match transitions.next().flatten() {
                         Some(transition) => {
                             decided.moved += 1;
+                            if moving(i).is_some_and(|job| held_buckets(conn, job)) {
+                                decided.bucketed_moves += 1;
+                            }
                             decided.effective.push((i, Answer::Move(Ok(transition))));
                         }
                         None => {
@@ -724,6 +732,16 @@ fn took_from_buckets(conn: &Connection, job: &OrderJob, results: &[crate::engine
         }),
         crate::engine::LineResult::Rejected(_) => false,
     })
+}
+
+/// Whether a move's reservation holds stock in buckets.
+fn held_buckets(conn: &Connection, job: &batch::MoveJob) -> bool {
+    conn.query_row(
+        "SELECT lines FROM reservations WHERE tenant_id = ?1 AND id = ?2",
+        params![job.tenant.as_str(), job.id],
+        |row| row.get::<_, String>(0),
+    )
+    .is_ok_and(|lines| lines.contains("\"buckets\""))
 }
 
 /// `available + reserved + consumed == total`, none negative.
@@ -883,6 +901,7 @@ fn run(scenario: &Scenario, stats: &Stats) -> Result<(), TestCaseError> {
             bump(&stats.moved, decided.moved);
             bump(&stats.left, decided.left);
             bump(&stats.bucketed, decided.bucketed);
+            bump(&stats.bucketed_moves, decided.bucketed_moves);
             if decided.admitted + decided.answered + decided.moved > 0 && decided.left > 0 {
                 bump(&stats.mixed, 1);
             }
@@ -962,12 +981,13 @@ fn batch_admission_and_the_per_order_path_agree() {
         panic!("{failure}");
     }
     eprintln!(
-        "{cases} cases: {} groups; admission decided {} orders ({} applied to buckets) and {} moves and answered \
-         {} from earlier outcomes, left {} to the per-request path; {} groups mixed both",
+        "{cases} cases: {} groups; admission decided {} orders ({} applied to buckets) and {} moves ({} out of \
+         buckets) and answered {} from earlier outcomes, left {} to the per-request path; {} groups mixed both",
         stats.groups.get(),
         stats.admitted.get(),
         stats.bucketed.get(),
         stats.moved.get(),
+        stats.bucketed_moves.get(),
         stats.answered.get(),
         stats.left.get(),
         stats.mixed.get()
@@ -978,7 +998,8 @@ fn batch_admission_and_the_per_order_path_agree() {
             && stats.moved.get() > 0
             && stats.left.get() > 0
             && stats.mixed.get() > 0
-            && stats.bucketed.get() > 0,
+            && stats.bucketed.get() > 0
+            && stats.bucketed_moves.get() > 0,
         "the scenarios did not exercise every path of batch admission"
     );
 }

@@ -232,10 +232,12 @@ fn move_out(action: Action, qty: i64, available: &mut i64, [reserved, consumed]:
 
 /// Moves a held reservation's `lines` out of `reserved` against `rows`, as its confirm (`op`
 /// [`LedgerOp::Confirm`]: into `consumed`) or its release or expiry (back to `available`) does
-/// on the per-request path, one change per line in resource order. `None` when admission cannot
-/// decide it (a line on buckets, on a row the batch did not read or may not decide, two lines on
-/// one resource, a per-user limit to give back, a row holding less than reserved); `rows` is
-/// then untouched, and the move takes the per-request path, which judges it the same way.
+/// on the per-request path: in resource order, one change per line, or per bucket a line took
+/// from (in the order it took them). `None` when admission cannot decide it (a line on a row the
+/// batch did not read or may not decide, bucket takes that do not match the row's buckets, two
+/// lines on one resource, a per-user limit to give back, a row or bucket holding less than
+/// reserved); `rows` is then untouched, and the move takes the per-request path, which judges it
+/// the same way.
 pub fn move_held(rows: &mut HashMap<String, Row>, lines: &[ReservationLine], op: LedgerOp) -> Option<Vec<Change>> {
     let confirming = match op {
         LedgerOp::Confirm => true,
@@ -244,12 +246,24 @@ pub fn move_held(rows: &mut HashMap<String, Row>, lines: &[ReservationLine], op:
     };
     let mut order: Vec<usize> = (0..lines.len()).collect();
     order.sort_by(|&a, &b| lines[a].resource.cmp(&lines[b].resource));
+    let holds = |l: &ReservationLine, r: &Row| {
+        if l.buckets.is_empty() {
+            return r.buckets == 1 && r.reserved >= l.qty && l.qty >= 0;
+        }
+        let mut taken: Vec<i64> = l.buckets.iter().map(|t| t.bucket).collect();
+        taken.sort_unstable();
+        taken.dedup();
+        r.has_buckets()
+            && taken.len() == l.buckets.len()
+            && l.buckets.iter().all(|t| {
+                let bucket = usize::try_from(t.bucket).ok().and_then(|b| r.bucket_rows.get(b));
+                t.qty >= 0 && bucket.is_some_and(|b| b.reserved >= t.qty)
+            })
+    };
     let decidable = order.windows(2).all(|w| lines[w[0]].resource != lines[w[1]].resource)
         && lines.iter().all(|l| {
-            l.buckets.is_empty()
-                && rows.get(&l.resource).is_some_and(|r| r.buckets == 1)
-                && (confirming || l.limit_key.is_none())
-                && rows.get(&l.resource).is_some_and(|r| r.admissible() && r.reserved >= l.qty && l.qty >= 0)
+            (confirming || l.limit_key.is_none())
+                && rows.get(&l.resource).is_some_and(|r| r.admissible() && holds(l, r))
         });
     if !decidable {
         return None;
@@ -258,22 +272,33 @@ pub fn move_held(rows: &mut HashMap<String, Row>, lines: &[ReservationLine], op:
     for i in order {
         let line = &lines[i];
         let row = rows.get_mut(&line.resource)?;
-        row.reserved -= line.qty;
-        if confirming {
-            row.consumed += line.qty;
-        } else {
-            row.available += line.qty;
+        let whole = [BucketTake { bucket: 0, qty: line.qty }];
+        let parts = if line.buckets.is_empty() { &whole[..] } else { &line.buckets[..] };
+        for take in parts {
+            let (counters, bucket) = if line.buckets.is_empty() {
+                ((&mut row.available, &mut row.reserved, &mut row.consumed, &mut row.version), None)
+            } else {
+                let b = row.bucket_rows.get_mut(usize::try_from(take.bucket).ok()?)?;
+                ((&mut b.available, &mut b.reserved, &mut b.consumed, &mut b.version), Some(take.bucket))
+            };
+            let (available, reserved, consumed, version) = counters;
+            *reserved -= take.qty;
+            if confirming {
+                *consumed += take.qty;
+            } else {
+                *available += take.qty;
+            }
+            *version += 1;
+            changes.push(Change {
+                line: i,
+                resource: line.resource.clone(),
+                bucket,
+                op,
+                qty: take.qty,
+                after: [*available, *reserved, *consumed],
+                version_after: *version,
+            });
         }
-        row.version += 1;
-        changes.push(Change {
-            line: i,
-            resource: line.resource.clone(),
-            bucket: None,
-            op,
-            qty: line.qty,
-            after: [row.available, row.reserved, row.consumed],
-            version_after: row.version,
-        });
     }
     Some(changes)
 }
@@ -411,6 +436,33 @@ mod tests {
         rows.get_mut("a").map(|r| r.bucket_rows.pop());
         let one = plan(PartialPolicy::AllOrNothing, &[(&["a"], 1)]);
         assert!(admit(&mut rows, &one, Action::Deduct, 0).is_none());
+    }
+
+    #[test]
+    fn a_hold_across_buckets_moves_back_out_of_each_bucket_it_took_from() {
+        let mut rows = HashMap::from([("a".to_string(), bucketed(&[2, 3]))]);
+        let four = plan(PartialPolicy::AllOrNothing, &[(&["a"], 4)]);
+        let held = admit(&mut rows, &four, Action::Reserve, 0).expect("admissible");
+        let line = ReservationLine {
+            key: "line0".into(),
+            resource: "a".into(),
+            qty: 4,
+            limit_key: None,
+            buckets: held.takes[0].clone(),
+        };
+        let before = rows.clone();
+        let mut beyond = line.clone();
+        beyond.buckets[0].bucket = 2;
+        assert!(move_held(&mut rows, &[beyond], LedgerOp::Confirm).is_none());
+        let mut twice = line.clone();
+        twice.buckets[1].bucket = twice.buckets[0].bucket;
+        assert!(move_held(&mut rows, &[twice], LedgerOp::Release).is_none());
+        assert_eq!(rows, before);
+
+        let released = move_held(&mut rows, &[line], LedgerOp::Release).expect("decidable");
+        let moved: Vec<(Option<i64>, i64, [i64; 3])> = released.iter().map(|c| (c.bucket, c.qty, c.after)).collect();
+        assert_eq!(moved, vec![(Some(0), 2, [2, 0, 0]), (Some(1), 2, [3, 0, 0])]);
+        assert_eq!(rows["a"].bucket_rows.iter().map(|b| b.version).collect::<Vec<_>>(), vec![3, 3]);
     }
 
     #[test]

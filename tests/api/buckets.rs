@@ -1116,7 +1116,8 @@ async fn three_processes_racing_on_buckets_sell_exactly_the_total() {
 /// and, with all of them held, the resource is 0 available, 60 reserved. Then half confirm and
 /// half release, concurrently: each reservation's confirm or release entries equal its reserve
 /// entries bucket by bucket, and the end is 30 consumed, 30 available, per-bucket replay equal
-/// to `bucket_counts`, reconciliation clean.
+/// to `bucket_counts`, reconciliation clean. Settles that met in one group commit were decided
+/// together by batch admission.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_holds_take_across_buckets_and_settle_where_they_came_from() {
     const CLIENTS: usize = 20;
@@ -1183,6 +1184,10 @@ async fn concurrent_holds_take_across_buckets_and_settle_where_they_came_from() 
     }
     assert!(spanning >= 1, "the leftovers (2 or 1 per bucket) can only be held by combining buckets");
     shop.assert_reconciliation_clean(1).await;
+    let moved = metric(&app, "stockd_moves_admitted_in_batch_total", &[]).await;
+    assert!(moved > 0.0, "no confirm or release of 20 on a bucketed resource was decided by batch admission");
+    let logs = app.logs();
+    assert!(!logs.contains("batch admission failed"), "batch admission failed:\n{logs}");
 }
 
 // ---------------------------------------------------------------------------------------------
