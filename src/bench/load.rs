@@ -31,6 +31,9 @@ pub enum Workload {
     ReplayStorm,
     /// Reserve one line, then confirm or release it (1,000 keys).
     ReserveConfirm,
+    /// The same on one key split over [`HOT_KEY_BUCKETS`] bucket rows: a flash sale that holds
+    /// before it charges.
+    ReserveConfirmBuckets,
     /// Deduct 2 of one line, then reverse 1 of that order (1,000 keys).
     DeductReverse,
     /// `GET /healthz`: the same server and clients without storage.
@@ -41,7 +44,7 @@ impl Workload {
     /// How many resources the workload spreads over.
     pub fn keys(self) -> usize {
         match self {
-            Self::HotKey | Self::HotKeyBuckets => 1,
+            Self::HotKey | Self::HotKeyBuckets | Self::ReserveConfirmBuckets => 1,
             Self::Uniform => 10_000,
             Self::MultiLine | Self::ReplayStorm | Self::ReserveConfirm | Self::DeductReverse => 1_000,
             Self::Ceiling => 0,
@@ -57,6 +60,7 @@ impl Workload {
             Self::MultiLine => "multi-line",
             Self::ReplayStorm => "replay-storm",
             Self::ReserveConfirm => "reserve-confirm",
+            Self::ReserveConfirmBuckets => "reserve-confirm-buckets",
             Self::DeductReverse => "deduct-reverse",
             Self::Ceiling => "ceiling",
         }
@@ -65,7 +69,7 @@ impl Workload {
     /// The `buckets` each resource is created with; `None`: the server's default (one row).
     pub fn buckets(self) -> Option<i64> {
         match self {
-            Self::HotKeyBuckets => Some(HOT_KEY_BUCKETS),
+            Self::HotKeyBuckets | Self::ReserveConfirmBuckets => Some(HOT_KEY_BUCKETS),
             _ => None,
         }
     }
@@ -290,7 +294,7 @@ async fn client_loop(t: Arc<Target>, w: Workload, task: usize, stop: Stop) -> St
                 record(&mut stats, started, &outcome);
                 last = Some((idem, body));
             }
-            Workload::ReserveConfirm => {
+            Workload::ReserveConfirm | Workload::ReserveConfirmBuckets => {
                 let key = key_of(w, rng.random_range(0..w.keys()));
                 let resp = t
                     .client
@@ -421,7 +425,7 @@ pub async fn check(t: &Target, w: Workload, stats: &Stats) -> anyhow::Result<Vec
         return Ok(Vec::new());
     }
     let (mut problems, reserved) = check_keys(t, &format!("{}:", w.name()), w.keys(), stats.consumed_expected).await?;
-    if w == Workload::ReserveConfirm && reserved != 0 {
+    if matches!(w, Workload::ReserveConfirm | Workload::ReserveConfirmBuckets) && reserved != 0 {
         problems.push(format!("{reserved} still reserved after every reservation was confirmed or released"));
     }
     if let Some(expected) = w.buckets() {

@@ -105,7 +105,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     pub duration_secs: u64,
     /// Instead of --duration-secs: each HTTP scenario stops after exactly this many orders,
-    /// between all clients (reserve-confirm and deduct-reverse: each with its follow-up call;
+    /// between all clients (reserve-confirm[-buckets] and deduct-reverse: each with its follow-up call;
     /// ceiling: health checks). The baselines and noisy-neighbour still run for the duration.
     #[arg(long)]
     pub orders: Option<u64>,
@@ -120,8 +120,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub exec_after_load: Option<String>,
     /// Comma-separated scenarios: hot-key, hot-key-buckets (hot-key on a resource of 16
-    /// buckets), uniform, multi-line, replay-storm, reserve-confirm, deduct-reverse (each order
-    /// deducts 2 and reverses 1), ceiling, row-lock, guarded-per-request, segmented (stock split
+    /// buckets), uniform, multi-line, replay-storm, reserve-confirm, reserve-confirm-buckets (one
+    /// key of 16 buckets), deduct-reverse (each order deducts 2 and reverses 1), ceiling, row-lock, guarded-per-request, segmented (stock split
     /// over 100 rows, 10 units each per sale); and redis-hot-key (needs STOCKD_REDIS_URL),
     /// redis-lua (baseline: one Redis Lua script per order, DECRBY + XADD to a stream, 1,000
     /// units per sale; needs STOCKD_REDIS_URL) and
@@ -319,6 +319,7 @@ fn parse_scenario(name: &str, plugins_dir: &Path) -> anyhow::Result<Scenario> {
         "multi-line" => Scenario::Http(Workload::MultiLine),
         "replay-storm" => Scenario::Http(Workload::ReplayStorm),
         "reserve-confirm" => Scenario::Http(Workload::ReserveConfirm),
+        "reserve-confirm-buckets" => Scenario::Http(Workload::ReserveConfirmBuckets),
         "deduct-reverse" => Scenario::Http(Workload::DeductReverse),
         "ceiling" => Scenario::Http(Workload::Ceiling),
         "row-lock" => Scenario::Naive(Naive::RowLock),
