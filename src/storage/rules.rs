@@ -12,9 +12,10 @@ use crate::engine::{
     BucketCounts, BucketTake, LineResult, PlannedLine, Reason, ReservationLine, ResourceState, Target,
 };
 use crate::ratelimit::RateLimit;
-
-pub use crate::engine::buckets::{bucket_order, bucket_seed, bucket_takes, MAX_BUCKETS};
 use crate::storage::{OrderJob, StorageError};
+
+/// The bucket rules, kept with the engine (batch admission applies them too).
+pub use crate::engine::buckets::{bucket_order, bucket_seed, bucket_takes, MAX_BUCKETS};
 
 /// A tenant's own rate as its two nullable columns (rate per second, burst).
 pub fn rate_limit_columns(limit: Option<RateLimit>) -> (Option<i64>, Option<i64>) {
