@@ -155,7 +155,10 @@ pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action, seed:
                 continue;
             }
             let Some(row) = rows.get_mut(key) else { continue };
-            if row.buckets > 1 {
+            // What each row gives: the resource row all of it, a bucketed one per bucket.
+            let whole = [(None, line.qty)];
+            let bucketed: Vec<(Option<i64>, i64)>;
+            let taken: &[(Option<i64>, i64)] = if row.buckets > 1 {
                 let Ok(order) = bucket_order(&target.buckets, row.buckets, seed) else {
                     restore(rows, undo);
                     return None;
@@ -165,43 +168,37 @@ pub fn admit(rows: &mut HashMap<String, Row>, plan: &Plan, action: Action, seed:
                     first_refusal.get_or_insert(Reason::Insufficient);
                     continue;
                 };
-                for &(bucket, qty) in &taken {
-                    let found = usize::try_from(bucket).ok().and_then(|i| Some((i, row.bucket_rows.get_mut(i)?)));
-                    let Some((index, b)) = found else {
-                        restore(rows, undo);
-                        return None;
-                    };
-                    undo.push((key.to_string(), Some(index), [b.available, b.reserved, b.consumed, b.version]));
-                    move_out(action, qty, &mut b.available, [&mut b.reserved, &mut b.consumed], &mut b.version);
-                    changes.push(Change {
-                        line: i,
-                        resource: key.to_string(),
-                        bucket: Some(bucket),
-                        op,
-                        qty,
-                        after: [b.available, b.reserved, b.consumed],
-                        version_after: b.version,
-                    });
-                }
-                takes[i] = taken.into_iter().map(|(bucket, qty)| BucketTake { bucket, qty }).collect();
+                bucketed = taken.into_iter().map(|(bucket, qty)| (Some(bucket), qty)).collect();
+                &bucketed
             } else {
-                undo.push((key.to_string(), None, [row.available, row.reserved, row.consumed, row.version]));
-                move_out(
-                    action,
-                    line.qty,
-                    &mut row.available,
-                    [&mut row.reserved, &mut row.consumed],
-                    &mut row.version,
-                );
+                &whole
+            };
+            for &(bucket, qty) in taken {
+                let counters = match bucket {
+                    None => Some((None, (&mut row.available, &mut row.reserved, &mut row.consumed, &mut row.version))),
+                    Some(bucket) => usize::try_from(bucket).ok().and_then(|index| {
+                        let b = row.bucket_rows.get_mut(index)?;
+                        Some((Some(index), (&mut b.available, &mut b.reserved, &mut b.consumed, &mut b.version)))
+                    }),
+                };
+                let Some((index, (available, reserved, consumed, version))) = counters else {
+                    restore(rows, undo);
+                    return None;
+                };
+                undo.push((key.to_string(), index, [*available, *reserved, *consumed, *version]));
+                move_out(action, qty, available, [reserved, consumed], version);
                 changes.push(Change {
                     line: i,
                     resource: key.to_string(),
-                    bucket: None,
+                    bucket,
                     op,
-                    qty: line.qty,
-                    after: [row.available, row.reserved, row.consumed],
-                    version_after: row.version,
+                    qty,
+                    after: [*available, *reserved, *consumed],
+                    version_after: *version,
                 });
+            }
+            if row.buckets > 1 {
+                takes[i] = taken.iter().filter_map(|&(b, qty)| Some(BucketTake { bucket: b?, qty })).collect();
             }
             results[i] = LineResult::Applied(t);
             first_refusal = None;
