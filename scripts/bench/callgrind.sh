@@ -2,6 +2,9 @@
 # Instructions per order: the server's instruction count for a fixed number of orders, counted
 # by valgrind's callgrind. Unlike ok/s or CPU time it barely moves on a shared, noisy machine,
 # so it is the figure to compare two builds by (docs/PERFORMANCE.md, "Instructions per order").
+# It is not exact: with concurrent clients the batches' sizes depend on timing, and a batch's
+# fixed work is shared by its orders, so one build's count has moved by up to 3 % between runs
+# (2026-12-06); count each build at least twice before reading a difference of a few percent.
 #
 # Usage: scripts/bench/callgrind.sh [STOCKD_BINARY] [sqlite|postgres] [ORDERS]
 #   STOCKD_BINARY  default $CARGO_TARGET_DIR/release/stockd, else target/release/stockd
