@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Bytes per order by table and by index, for docs/PERFORMANCE.md ("Storage per order").
 
-Usage: storage-breakdown.py STOCKD_BINARY sqlite|postgres SCENARIO [SECONDS]
+Usage: storage-breakdown.py STOCKD_BINARY sqlite|postgres SCENARIO [SECONDS] [--keep DIR]
 (DATABASE_URL: the PostgreSQL server on which a fresh database is created and dropped; default
 postgres://postgres@127.0.0.1:5432/postgres).
 
@@ -12,7 +12,8 @@ divided by the successful operations. `stockd bench` itself reports the total an
 table (indexes included); this splits a table from its indexes, and on SQLite shows from
 `dbstat` how full the new pages are: `payload` (bytes of rows), `unused` (free bytes in the
 pages) and `ncell` (entries). On PostgreSQL: `main` (the relation's pages), `fsm+vm` (its free
-space and visibility maps) and `toast`. Needs the `sqlite3` or `psql` command-line client."""
+space and visibility maps) and `toast`. With --keep DIR (SQLite) the database is left in DIR as
+DIR/stockd.db, e.g. for `schema-trial.py`. Needs the `sqlite3` or `psql` command-line client."""
 import json, os, secrets, shutil, subprocess, sys, tempfile
 
 SQLITE_QUERY = (
@@ -49,10 +50,17 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--snapshot":
         snapshot(*sys.argv[2:5])
         return
-    binary, backend, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
-    seconds = sys.argv[4] if len(sys.argv) > 4 else "5"
+    args = sys.argv[1:]
+    keep = None
+    if "--keep" in args:
+        i = args.index("--keep")
+        keep = args[i + 1]
+        del args[i:i + 2]
+    binary, backend, scenario = args[0], args[1], args[2]
+    seconds = args[3] if len(args) > 3 else "5"
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
-    work = tempfile.mkdtemp(prefix="stockd-breakdown-")
+    work = keep or tempfile.mkdtemp(prefix="stockd-breakdown-")
+    os.makedirs(work, exist_ok=True)
     pg_db = None
     if backend == "sqlite":
         target = f"{work}/stockd.db"
@@ -101,7 +109,8 @@ def main():
         server.wait()
         if pg_db:
             subprocess.run(["psql", admin_url, "-qAtc", f"DROP DATABASE IF EXISTS {pg_db} WITH (FORCE)"])
-        shutil.rmtree(work, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
