@@ -3,22 +3,22 @@
 docs/PERFORMANCE.md ("What an order writes, frame by frame").
 
 Usage: wal-frames.py STOCKD_BINARY SCENARIO[,SCENARIO...] [SECONDS]
-(SECONDS per scenario, default 6, at least 5). Needs `strace` and the `sqlite3` command-line
-client (Debian: apt-get install strace sqlite3).
+(SECONDS per scenario, default 6, at least 5). Needs the `sqlite3` command-line client.
 
-Runs `stockd bench --backend sqlite` and, through its load hooks, attaches `strace` to the
-server's writer thread for STRACE_SECS (default 2) seconds of each scenario's load, one second
-after it starts, recording only the WAL's frame headers (the first bytes of each 24-byte
-header hold the page number) and the commits' syncs. After the load it maps page numbers to
-b-trees with `dbstat` and prints, per scenario: commits, frames per commit, and for each b-tree
-its frames per commit. A frame is one 4 KiB page written to the WAL: what a commit costs the
-writer grows with them, not with the bytes the rows hold. strace slows the writer, so its
-batches are larger than without it: compare the b-trees' shares, and counts per commit between
-builds measured the same way, not with `cpu-split.py`'s per-order figures."""
-import collections, json, os, re, shutil, subprocess, sys, tempfile, time
+Runs `stockd bench --backend sqlite` and, from its before-load hook to its after-load hook,
+reads the server's WAL file every SAMPLE_SECS (default 0.2): each read holds the frames of the
+WAL's current generation (their salts are the header's) up to its last commit frame, a frame's
+page number in its 24-byte header, a commit ending at the frame that carries a database size.
+The WAL starts over after each checkpoint (every 10,000 pages), so the reads see a sample of
+the load's commits, each counted once. After the load it maps page numbers to b-trees with
+`dbstat` and prints, per scenario: the commits read, frames per commit, and for each b-tree its
+frames per commit. A frame is one page written to the WAL: what a commit costs the writer grows
+with them, not with the bytes the rows hold. Reading the WAL takes a little of the machine,
+not of the writer's thread.
 
-HEADER = re.compile(r'pwrite64\((\d+), "((?:\\x[0-9a-f]{2})+)"\.*, 24, \d+\) = 24')
-SYNC = re.compile(r'f(?:data)?sync\((\d+)\)')
+(Until 2026-12-06 this traced the writer's frame-header writes with strace; since the writer's
+VFS gathers a commit's frames into a few large writes, that saw none.)"""
+import collections, json, os, shutil, struct, subprocess, sys, tempfile, time
 
 
 def parent(pid):
@@ -44,83 +44,93 @@ def server_of(bench):
     sys.exit("wal-frames: the bench's server was not found")
 
 
-def attach(work):
-    """Before the load: strace the writer thread, detached, for STRACE_SECS after a second."""
-    scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")
-    server = server_of(parent(os.getppid()))  # the hook runs under `sh -c`, the bench's child
-    writer = next((t for t in os.listdir(f"/proc/{server}/task")
-                   if open(f"/proc/{server}/task/{t}/comm").read().strip() == "stockd-writer"), None)
-    if writer is None:
-        sys.exit("wal-frames: the server has no SQLite writer thread")
-    files = {}
+def wal_of(server):
+    """The path of the WAL the server has open."""
     for fd in os.listdir(f"/proc/{server}/fd"):
         try:
-            files[fd] = os.readlink(f"/proc/{server}/fd/{fd}")
+            path = os.readlink(f"/proc/{server}/fd/{fd}")
         except OSError:
-            pass
-    with open(f"{work}/{scenario}.fds.json", "w") as f:
-        json.dump(files, f)
-    secs = os.environ.get("STRACE_SECS", "2")
-    out = f"{work}/{scenario}.strace"
-    tracer = subprocess.Popen(["sh", "-c", f"sleep 1; exec timeout -s INT {secs} strace -xx -s 4 -p {writer} "
-                               f"-e trace=pwrite64,fsync,fdatasync -o {out}"],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
-    with open(f"{work}/{scenario}.tracer", "w") as f:
-        f.write(str(tracer.pid))
+            continue
+        if path.endswith(".db-wal"):
+            return path
+    sys.exit("wal-frames: the server has no SQLite WAL open")
 
 
-def running(pid):
-    """Whether a process is still running (a zombie nobody reaped yet has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            raw = f.read()
-    except OSError:
-        return False
-    return raw[raw.rindex(")") + 2] != "Z"
+def attach(work):
+    """Before the load: start a sampler that reads the WAL until the load ends (`pages`)."""
+    scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")
+    wal = wal_of(server_of(parent(os.getppid())))  # the hook runs under `sh -c`, the bench's child
+    subprocess.Popen([sys.executable, os.path.abspath(__file__), "--sample", work, scenario, wal],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+
+
+def sample(work, scenario, wal):
+    """Reads the WAL every SAMPLE_SECS until the load ends: each read holds the commits of its
+    generation so far; a commit is kept once, by its generation's salts and its first frame."""
+    every = float(os.environ.get("SAMPLE_SECS", "0.2"))
+    seen = {}
+    deadline = time.time() + 600
+    while not os.path.exists(f"{work}/{scenario}.done") and time.time() < deadline:
+        with open(wal, "rb") as f:
+            data = f.read()
+        for key, pages_of_commit in commits_of(data):
+            seen.setdefault(key, pages_of_commit)
+        time.sleep(every)
+    with open(f"{work}/{scenario}.commits.json", "w") as f:
+        json.dump(list(seen.values()), f)
 
 
 def pages(work):
-    """After the load: wait for the trace to end (its process gone), then map every page to
-    its b-tree."""
+    """After the load: stop the sampler, and map every page to its b-tree."""
     scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")
-    tracer = open(f"{work}/{scenario}.tracer").read().strip()
+    server = server_of(parent(os.getppid()))
+    db = wal_of(server)[:-len("-wal")]
+    open(f"{work}/{scenario}.done", "w").close()
     deadline = time.time() + 30
-    while running(tracer) and time.time() < deadline:
+    while not os.path.exists(f"{work}/{scenario}.commits.json") and time.time() < deadline:
         time.sleep(0.1)
-    files = json.load(open(f"{work}/{scenario}.fds.json"))
-    db = next(p for p in files.values() if p.endswith(".db"))
     out = subprocess.run(["sqlite3", f"file:{db}?mode=ro", "SELECT pageno, name FROM dbstat"],
                          capture_output=True, text=True, check=True).stdout
     with open(f"{work}/{scenario}.pages", "w") as f:
         f.write(out)
 
 
+def commits_of(wal):
+    """Each commit in a WAL file's current generation: ((salts, offset of its first frame), the
+    page numbers of its frames)."""
+    if len(wal) < 32:
+        return []
+    page_size = struct.unpack(">I", wal[8:12])[0]
+    page_size = 65536 if page_size == 1 else page_size
+    salts = wal[16:24]
+    commits, current, first, at = [], [], 32, 32
+    while at + 24 + page_size <= len(wal):
+        page, db_size = struct.unpack(">II", wal[at:at + 8])
+        if wal[at + 8:at + 16] != salts:
+            break
+        current.append(page)
+        at += 24 + page_size
+        if db_size:
+            commits.append(((salts.hex(), first), current))
+            current, first = [], at
+    return commits
+
+
 def report(work, scenario):
-    files = json.load(open(f"{work}/{scenario}.fds.json"))
-    wal = {fd for fd, p in files.items() if p.endswith(".db-wal")}
     btree = {}
     for line in open(f"{work}/{scenario}.pages"):
         page, _, name = line.strip().partition("|")
         if page.isdigit():
             btree[int(page)] = name
-    commits, current = [], []
-    for line in open(f"{work}/{scenario}.strace"):
-        m = HEADER.match(line)
-        if m and m.group(1) in wal:
-            header = bytes(int(x, 16) for x in re.findall(r"\\x([0-9a-f]{2})", m.group(2)))
-            current.append(int.from_bytes(header[:4], "big"))
-            continue
-        m = SYNC.match(line)
-        if m and m.group(1) in wal and current:
-            commits.append(current)
-            current = []
+    with open(f"{work}/{scenario}.commits.json") as f:
+        commits = json.load(f)
     if not commits:
-        print(f"{scenario}: no commit traced")
+        print(f"{scenario}: no commit in the WAL")
         return
     frames = collections.Counter(btree.get(p, "(freed since)") for c in commits for p in c)
     total = sum(frames.values())
-    print(f"{scenario}: {len(commits)} commits traced, {total / len(commits):.1f} frames per commit")
+    print(f"{scenario}: {len(commits)} commits read, {total / len(commits):.1f} frames per commit")
     print(f"  {'b-tree':32s} {'frames/commit':>13s} {'share':>6s}")
     for name, n in frames.most_common():
         print(f"  {name:32s} {n / len(commits):13.1f} {100 * n / total:5.1f}%")
@@ -130,11 +140,13 @@ def main():
     if len(sys.argv) > 2 and sys.argv[1] in ("--attach", "--pages"):
         (attach if sys.argv[1] == "--attach" else pages)(sys.argv[2])
         return
+    if len(sys.argv) > 4 and sys.argv[1] == "--sample":
+        sample(*sys.argv[2:5])
+        return
     if len(sys.argv) < 3:
         sys.exit(__doc__)
-    for tool in ("strace", "sqlite3"):
-        if shutil.which(tool) is None:
-            sys.exit(f"wal-frames: `{tool}` is not installed (Debian: apt-get install strace sqlite3)")
+    if shutil.which("sqlite3") is None:
+        sys.exit("wal-frames: `sqlite3` is not installed (Debian: apt-get install sqlite3)")
     binary, scenarios = sys.argv[1], sys.argv[2]
     seconds = max(int(sys.argv[3]) if len(sys.argv) > 3 else 6, 5)
     work = tempfile.mkdtemp(prefix="stockd-wal-frames-")
