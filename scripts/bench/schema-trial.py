@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Bytes and write work per order of the stored layout against two proposed ones, measured on the
-rows a real bench run wrote (docs/PERFORMANCE.md, "Toward 300 bytes an order: two layouts
-measured").
+"""Bytes and write work per order of the stored layout against two proposed ones and a floor,
+measured on the rows a real bench run wrote (docs/PERFORMANCE.md, "Toward 300 bytes an order:
+layouts measured on a bench run's rows").
 
 Usage: schema-trial.py SOURCE_DB [BATCH] [--rounds R] [--postgres URL]
 
@@ -23,19 +23,23 @@ fresh database for each layout:
   `(key = id AND order_id IS NULL) OR order_id = id`, through the two indexes. A ledger entry
   keeps its row, clustered by (tenant, resource, seq), and the design's identity as (tenant,
   action, op, resource, bucket): the action's sequence number stands for the request id and the
-  order id, and its time for the entry's.
+  order id, and its time for the entry's;
+- `floor`: the `actions` row alone, with its lines packed into it (each line's resource key and
+  numbers as varints) and its two indexes, and nothing a line (no ledger row, no identity, no
+  b-tree by resource): not a design, but the least a store that finds an order by its
+  idempotency key writes.
 
 For each it prints the bytes per order of every b-tree (`dbstat`, pages in use), the WAL bytes
 written per order, and the CPU time per order of the loading process: SQLite in this process,
 `synchronous = OFF`, the WAL checkpointed whenever it passes 10,000 pages as the server's writer
-does (checkpoints included), each table's rows one `INSERT ... SELECT` a batch (as many
-statements per table for every layout). With --rounds R each layout is loaded R times, the
+does (checkpoints included), each table's rows one `INSERT ... SELECT` a batch. With --rounds R each layout is loaded R times, the
 layouts in turn, forward then backward, and every round's CPU time is printed. With --postgres
-URL the same three layouts are loaded into a scratch PostgreSQL database on that server (one
+URL the same layouts are loaded into a scratch PostgreSQL database on that server (one
 transaction a batch, from a procedure; `synchronous_commit = off`) and their relations sized
 with `pg_relation_size`. Needs the `sqlite3` and `psql` command-line clients."""
-import base64, os, shutil, sqlite3, subprocess, sys, tempfile, time
+import base64, collections, os, shutil, sqlite3, subprocess, sys, tempfile, time
 
+LAYOUTS = ("stored", "compact", "actions", "floor")
 CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 TYPES = {"order.applied": 1}
 OPS = {"create": 1, "adjust": 2, "deduct": 3, "reserve": 4, "confirm": 5, "release": 6, "expire": 7, "reverse": 8}
@@ -62,7 +66,7 @@ STAGE = """
 CREATE TABLE orders (n INTEGER PRIMARY KEY, tenant_id TEXT, tenant_no INTEGER, seq INTEGER, evt_id TEXT,
     evt_blob BLOB, type TEXT, type_no INTEGER, ordering_key TEXT, ordering_compact TEXT, at INTEGER,
     data TEXT, data_blob BLOB, key TEXT, request_hash TEXT, hash_blob BLOB, code INTEGER, rtype TEXT,
-    rtype_no INTEGER, created_at INTEGER, order_id TEXT, order_compact TEXT);
+    rtype_no INTEGER, created_at INTEGER, order_id TEXT, order_compact TEXT, lines_blob BLOB);
 CREATE TABLE lines (n INTEGER, lseq INTEGER PRIMARY KEY, tenant_id TEXT, tenant_no INTEGER, resource_key TEXT,
     bucket INTEGER, op TEXT, op_no INTEGER, qty INTEGER, request_id TEXT, req_blob BLOB, order_id TEXT,
     reservation_id TEXT, available_after INTEGER, reserved_after INTEGER, consumed_after INTEGER,
@@ -120,6 +124,13 @@ CREATE TABLE ledger (tenant_no INTEGER NOT NULL, resource_key TEXT NOT NULL, seq
     line_key TEXT, limit_key TEXT, reverses BLOB, PRIMARY KEY (tenant_no, resource_key, seq)) WITHOUT ROWID;
 CREATE UNIQUE INDEX ledger_identity ON ledger (tenant_no, action_seq, op, resource_key, bucket);
 """,
+    "floor": """
+CREATE TABLE actions (tenant_no INTEGER NOT NULL, seq INTEGER NOT NULL, key TEXT, request_hash BLOB,
+    order_id TEXT, type INTEGER NOT NULL, code INTEGER NOT NULL, at INTEGER NOT NULL, data BLOB NOT NULL,
+    lines BLOB, PRIMARY KEY (tenant_no, seq)) WITHOUT ROWID;
+CREATE UNIQUE INDEX actions_by_key ON actions (tenant_no, key) WHERE key IS NOT NULL;
+CREATE INDEX actions_by_order ON actions (tenant_no, order_id) WHERE order_id IS NOT NULL;
+""",
 }
 
 # One batch's statements per layout; ?1 and ?2 bound to the batch's first and last `n`.
@@ -149,7 +160,21 @@ SQLITE_LOADS = {
            reservation_id, available_after, reserved_after, consumed_after, version_after, plugin_version,
            line_compact, limit_key, reverses FROM s.lines WHERE n BETWEEN ?1 AND ?2 ORDER BY lseq""",
     ],
+    "floor": [
+        """INSERT INTO actions SELECT tenant_no, seq, key, hash_blob, order_compact, type_no, code, at, data_blob,
+           lines_blob FROM s.orders WHERE n BETWEEN ?1 AND ?2""",
+    ],
 }
+
+
+def varint(v):
+    """LEB128, for the `floor` layout's packed lines."""
+    out = bytearray()
+    while True:
+        out.append((v & 0x7F) | (0x80 if v > 0x7F else 0))
+        v >>= 7
+        if not v:
+            return bytes(out)
 
 
 def stage(source, path):
@@ -173,7 +198,7 @@ def stage(source, path):
         # ordering key (`order:<order id>`) so that the trial does not depend on it.
         order_id = okey.split(":", 1)[1] if okey.startswith("order:") else None
         by_key[(tenant, order_id)] = (n, seq)
-        dst.execute("INSERT INTO orders VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        dst.execute("INSERT INTO orders VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,NULL)",
                     (n, tenant, tno, seq, evt, ulid_bytes(evt), typ, TYPES.get(typ, 99), okey,
                      None if okey == f"order:{order_id}" else okey, at, data, payload_bytes(data), key, rhash,
                      bytes.fromhex(rhash), code, rtype, None if rtype == "json" else 1, created, order_id,
@@ -190,6 +215,15 @@ def stage(source, path):
                     (n, lseq, tenant, tenants[tenant], rkey, bucket, op, OPS[op], qty, req, ulid_bytes(req),
                      order_id, rsv, av, rs, co, ver, pv, at, lkey, None if lkey == rkey else lkey, limk, rev,
                      aseq))
+    packed = collections.defaultdict(bytearray)
+    for n, rkey, bucket, op_no, qty, av, rs, co, ver, pv in dst.execute(
+            """SELECT n, resource_key, bucket, op_no, qty, available_after, reserved_after, consumed_after,
+                      version_after, plugin_version FROM lines ORDER BY lseq""").fetchall():
+        key = rkey.encode()
+        packed[n] += varint(len(key)) + key
+        for v in (bucket, op_no, qty, av, rs, co, ver, pv or 0):
+            packed[n] += varint((v << 1) ^ (v >> 63))
+    dst.executemany("UPDATE orders SET lines_blob = ? WHERE n = ?", [(bytes(b), n) for n, b in packed.items()])
     dst.commit()
     lines = dst.execute("SELECT count(*) FROM lines").fetchone()[0]
     return len(orders), lines
@@ -283,6 +317,13 @@ CREATE TABLE ledger (tenant_no INTEGER NOT NULL, resource_key TEXT NOT NULL, seq
     CONSTRAINT ledger_by_resource PRIMARY KEY (tenant_no, resource_key, seq));
 CREATE UNIQUE INDEX ledger_identity ON ledger (tenant_no, action_seq, op, resource_key, bucket);
 """,
+    "floor": """
+CREATE TABLE actions (tenant_no INTEGER NOT NULL, seq BIGINT NOT NULL, at BIGINT NOT NULL,
+    type SMALLINT NOT NULL, code SMALLINT NOT NULL, key TEXT, request_hash BYTEA, order_id TEXT,
+    data BYTEA NOT NULL, lines BYTEA, PRIMARY KEY (tenant_no, seq));
+CREATE UNIQUE INDEX actions_by_key ON actions (tenant_no, key) WHERE key IS NOT NULL;
+CREATE INDEX actions_by_order ON actions (tenant_no, order_id) WHERE order_id IS NOT NULL;
+""",
 }
 
 PG_LOADS = {
@@ -311,6 +352,11 @@ PG_LOADS = {
            reserved_after, consumed_after, version_after, plugin_version, bucket, op_no, NULL, line_compact,
            limit_key, NULL FROM s_lines WHERE n BETWEEN lo AND hi ORDER BY lseq""",
     ],
+    "floor": [
+        """INSERT INTO actions SELECT tenant_no, seq, at, type_no, code, key, decode(request_hash, 'hex'),
+           order_compact, decode(data_hex, 'hex'), decode(lines_hex, 'hex') FROM s_orders
+           WHERE n BETWEEN lo AND hi""",
+    ],
 }
 
 PG_SIZES = """SELECT c.relname, pg_relation_size(c.oid) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -325,7 +371,7 @@ def load_postgres(url, stage_path, work, orders, batch):
         subprocess.run(["sqlite3", "-csv", stage_path,
                         "SELECT n, tenant_id, tenant_no, seq, evt_id, hex(evt_blob), type, type_no, ordering_key, "
                         "ordering_compact, at, data, hex(data_blob), key, request_hash, code, rtype, rtype_no, "
-                        "created_at, order_id, order_compact FROM orders ORDER BY n"], stdout=f, check=True)
+                        "created_at, order_id, order_compact, hex(lines_blob) FROM orders ORDER BY n"], stdout=f, check=True)
     with open(csv_lines, "w") as f:
         subprocess.run(["sqlite3", "-csv", stage_path,
                         "SELECT n, lseq, tenant_id, tenant_no, resource_key, bucket, op, op_no, qty, request_id, "
@@ -338,14 +384,14 @@ def load_postgres(url, stage_path, work, orders, batch):
     target = url.rsplit("/", 1)[0] + "/" + db
     results = {}
     try:
-        for layout in ("stored", "compact", "actions"):
+        for layout in LAYOUTS:
             statements = ";\n".join(PG_LOADS[layout])
             script = f"""
 CREATE SCHEMA {layout}; SET search_path = {layout};
 CREATE TABLE s_orders (n INT, tenant_id TEXT, tenant_no INT, seq BIGINT, evt_id TEXT, evt_hex TEXT, type TEXT,
   type_no SMALLINT, ordering_key TEXT, ordering_compact TEXT, at BIGINT, data TEXT, data_hex TEXT, key TEXT,
   request_hash TEXT, code SMALLINT, rtype TEXT, rtype_no SMALLINT, created_at BIGINT, order_id TEXT,
-  order_compact TEXT);
+  order_compact TEXT, lines_hex TEXT);
 CREATE TABLE s_lines (n INT, lseq BIGINT, tenant_id TEXT, tenant_no INT, resource_key TEXT, bucket INT, op TEXT,
   op_no SMALLINT, qty BIGINT, request_id TEXT, req_hex TEXT, order_id TEXT, reservation_id TEXT,
   available_after BIGINT, reserved_after BIGINT, consumed_after BIGINT, version_after BIGINT,
@@ -403,7 +449,7 @@ def main():
         stage_path = f"{work}/stage.db"
         orders, lines = stage(source, stage_path)
         print(f"{orders} orders, {lines} ledger entries ({lines / orders:.2f} a order), {batch} orders a commit")
-        layouts = ("stored", "compact", "actions")
+        layouts = LAYOUTS
         cpus = {layout: [] for layout in layouts}
         for r in range(rounds):
             for layout in layouts if r % 2 == 0 else layouts[::-1]:
