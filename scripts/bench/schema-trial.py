@@ -3,7 +3,7 @@
 measured on the rows a real bench run wrote (docs/PERFORMANCE.md, "Toward 300 bytes an order:
 layouts measured on a bench run's rows").
 
-Usage: schema-trial.py SOURCE_DB [BATCH] [--rounds R] [--postgres URL]
+Usage: schema-trial.py SOURCE_DB [BATCH] [--rounds R] [--synchronous off|full] [--postgres URL]
 
 SOURCE_DB: a SQLite database a `stockd bench` scenario wrote (`storage-breakdown.py BIN sqlite
 SCENARIO 5 --keep DIR` keeps it as DIR/stockd.db). Its applied orders (an `order.applied` event,
@@ -32,7 +32,10 @@ fresh database for each layout:
 For each it prints the bytes per order of every b-tree (`dbstat`, pages in use), the WAL bytes
 written per order, and the CPU time per order of the loading process: SQLite in this process,
 `synchronous = OFF`, the WAL checkpointed whenever it passes 10,000 pages as the server's writer
-does (checkpoints included), each table's rows one `INSERT ... SELECT` a batch. With --rounds R each layout is loaded R times, the
+does (checkpoints included), each table's rows one `INSERT ... SELECT` a batch; and the wall
+time of a commit's transaction (BEGIN to COMMIT, checkpoints not included). With `--synchronous
+full` each commit waits for its fsync, as the server's default does (the commit's time is then
+the writer's cycle without HTTP: its statements and its sync). With --rounds R each layout is loaded R times, the
 layouts in turn, forward then backward, and every round's CPU time is printed. With --postgres
 URL the same layouts are loaded into a scratch PostgreSQL database on that server (one
 transaction a batch, from a procedure; `synchronous_commit = off`) and their relations sized
@@ -240,23 +243,25 @@ def dbstat(path):
 CHECKPOINT_BYTES = 10_000 * 4096
 
 
-def load_sqlite(layout, stage_path, work, orders, batch):
+def load_sqlite(layout, stage_path, work, orders, batch, synchronous):
     path = f"{work}/{layout}.db"
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode = WAL")
-    db.execute("PRAGMA synchronous = OFF")
+    db.execute(f"PRAGMA synchronous = {synchronous}")
     db.execute("PRAGMA wal_autocheckpoint = 0")
     db.executescript(SQLITE_LAYOUTS[layout])
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     db.execute(f"ATTACH 'file:{stage_path}?mode=ro' AS s")
     statements = SQLITE_LOADS[layout]
-    wal = 0
+    wal, commit_secs = 0, 0.0
     cpu = time.process_time()
     for first in range(1, orders + 1, batch):
+        start = time.perf_counter()
         db.execute("BEGIN IMMEDIATE")
         for sql in statements:
             db.execute(sql, (first, first + batch - 1))
         db.execute("COMMIT")
+        commit_secs += time.perf_counter() - start
         size = os.path.getsize(f"{path}-wal")
         if size >= CHECKPOINT_BYTES:
             wal += size
@@ -265,7 +270,7 @@ def load_sqlite(layout, stage_path, work, orders, batch):
     wal += os.path.getsize(f"{path}-wal")
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     db.close()
-    return dbstat(path), wal, cpu
+    return dbstat(path), wal, cpu, commit_secs / -(-orders // batch)
 
 
 PG_LAYOUTS = {
@@ -442,6 +447,9 @@ def main():
     args = sys.argv[1:]
     pg = take_option(args, "--postgres")
     rounds = int(take_option(args, "--rounds") or 1)
+    synchronous = (take_option(args, "--synchronous") or "off").upper()
+    if synchronous not in ("OFF", "NORMAL", "FULL"):
+        sys.exit("schema-trial: --synchronous is off, normal or full")
     source = args[0]
     batch = int(args[1]) if len(args) > 1 else 26
     work = tempfile.mkdtemp(prefix="stockd-schema-trial-")
@@ -451,16 +459,19 @@ def main():
         print(f"{orders} orders, {lines} ledger entries ({lines / orders:.2f} a order), {batch} orders a commit")
         layouts = LAYOUTS
         cpus = {layout: [] for layout in layouts}
+        cycles = {layout: [] for layout in layouts}
         for r in range(rounds):
             for layout in layouts if r % 2 == 0 else layouts[::-1]:
-                sizes, wal, cpu = load_sqlite(layout, stage_path, work, orders, batch)
+                sizes, wal, cpu, cycle = load_sqlite(layout, stage_path, work, orders, batch, synchronous)
                 cpus[layout].append(cpu / orders * 1e6)
+                cycles[layout].append(cycle * 1e3)
                 os.remove(f"{work}/{layout}.db")
                 if r == rounds - 1 or rounds == 1:
                     total = sum(sizes.values())
                     parts = ", ".join(f"{n} {s / orders:.0f}" for n, s in sorted(sizes.items()) if s > 4096 * 2)
                     print(f"sqlite   {layout:8s} {total / orders:7.1f} B/order  WAL {wal / orders:7.0f} B/order  "
-                          f"load CPU {' / '.join(f'{c:.1f}' for c in cpus[layout])} us/order   {parts}")
+                          f"load CPU {' / '.join(f'{c:.1f}' for c in cpus[layout])} us/order  "
+                          f"commit {' / '.join(f'{c:.2f}' for c in cycles[layout])} ms   {parts}")
         if pg:
             for layout, (sizes, secs) in load_postgres(pg, stage_path, work, orders, batch).items():
                 total = sum(sizes.values())
