@@ -4,6 +4,7 @@ measured on the rows a real bench run wrote (docs/PERFORMANCE.md, "Toward 300 by
 layouts measured on a bench run's rows").
 
 Usage: schema-trial.py SOURCE_DB [BATCH] [--rounds R] [--synchronous off|full] [--postgres URL]
+                       [--mysql mysql://USER@HOST:PORT]
 
 SOURCE_DB: a SQLite database a `stockd bench` scenario wrote (`storage-breakdown.py BIN sqlite
 SCENARIO 5 --keep DIR` keeps it as DIR/stockd.db). Its applied orders (an `order.applied` event,
@@ -40,7 +41,10 @@ the writer's cycle without HTTP: its statements and its sync). With --rounds R e
 layouts in turn, forward then backward, and every round's CPU time is printed. With --postgres
 URL the same layouts are loaded into a scratch PostgreSQL database on that server (one
 transaction a batch, from a procedure; `synchronous_commit = off`) and their relations sized
-with `pg_relation_size`. Needs the `sqlite3` and `psql` command-line clients."""
+with `pg_relation_size`. With --mysql the same on a MySQL/MariaDB server (a scratch database a
+layout, one transaction a batch from a procedure, each commit flushed as the server's default
+says), sized by InnoDB's leaf pages (`n_leaf_pages` after `ANALYZE TABLE`). Needs the `sqlite3`
+command-line client, and `psql` or `mariadb`/`mysql` for those."""
 import base64, collections, os, shutil, sqlite3, subprocess, sys, tempfile, time
 
 LAYOUTS = ("stored", "compact", "actions", "floor")
@@ -433,6 +437,182 @@ CALL load();
         subprocess.run(["psql", url, "-qAtc", f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"])
     return results
 
+# MySQL/MariaDB: the tables as migrations/mysql leave them (ascii ids, the ledger's identity in
+# its own column order), and the same three alternatives.
+ASCII = "CHARACTER SET ascii COLLATE ascii_bin"
+MYSQL_LAYOUTS = {
+    "stored": f"""
+CREATE TABLE ledger (seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, tenant_id VARCHAR(64) {ASCII} NOT NULL,
+    resource_key VARCHAR(200) {ASCII} NOT NULL, bucket BIGINT NOT NULL DEFAULT 0, op VARCHAR(16) {ASCII} NOT NULL,
+    qty BIGINT NOT NULL, request_id VARCHAR(400) {ASCII} NOT NULL, order_id VARCHAR(200) {ASCII},
+    reservation_id VARCHAR(200) {ASCII}, available_after BIGINT NOT NULL, reserved_after BIGINT NOT NULL,
+    consumed_after BIGINT NOT NULL, version_after BIGINT NOT NULL, plugin_version BIGINT, at BIGINT NOT NULL,
+    line_key VARCHAR(400) {ASCII}, limit_key VARCHAR(400) {ASCII}, reverses VARCHAR(400) {ASCII}) ENGINE = InnoDB;
+CREATE UNIQUE INDEX ledger_identity ON ledger (tenant_id, resource_key, bucket, request_id, op);
+CREATE INDEX ledger_by_resource ON ledger (tenant_id, resource_key, seq);
+CREATE INDEX ledger_by_order ON ledger (tenant_id, order_id);
+CREATE TABLE idempotency (tenant_id VARCHAR(64) {ASCII} NOT NULL, `key` VARCHAR(255) {ASCII} NOT NULL,
+    request_hash VARCHAR(128) {ASCII} NOT NULL, response_code INTEGER, response_type VARCHAR(16) {ASCII},
+    response_body MEDIUMTEXT, response_event VARCHAR(64) {ASCII}, created_at BIGINT NOT NULL,
+    PRIMARY KEY (tenant_id, `key`)) ENGINE = InnoDB;
+CREATE INDEX idempotency_by_age ON idempotency (created_at);
+CREATE TABLE events (id VARCHAR(64) {ASCII} NOT NULL PRIMARY KEY, tenant_id VARCHAR(64) {ASCII} NOT NULL, seq BIGINT,
+    type VARCHAR(64) {ASCII} NOT NULL, ordering_key VARCHAR(400) {ASCII} NOT NULL, at BIGINT NOT NULL,
+    data MEDIUMTEXT NOT NULL) ENGINE = InnoDB;
+CREATE UNIQUE INDEX events_feed ON events (tenant_id, seq);
+""",
+    "compact": f"""
+CREATE TABLE ledger (seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, tenant_no INT NOT NULL,
+    resource_key VARCHAR(200) {ASCII} NOT NULL, bucket INT NOT NULL DEFAULT 0, op TINYINT NOT NULL,
+    qty BIGINT NOT NULL, request_id BINARY(16) NOT NULL, order_id VARCHAR(200) {ASCII},
+    reservation_id VARBINARY(16), available_after BIGINT NOT NULL, reserved_after BIGINT NOT NULL,
+    consumed_after BIGINT NOT NULL, version_after BIGINT NOT NULL, plugin_version BIGINT, at BIGINT NOT NULL,
+    line_key VARCHAR(400) {ASCII}, limit_key VARCHAR(400) {ASCII}, reverses VARBINARY(16)) ENGINE = InnoDB;
+CREATE UNIQUE INDEX ledger_identity ON ledger (tenant_no, resource_key, bucket, request_id, op);
+CREATE INDEX ledger_by_resource ON ledger (tenant_no, resource_key, seq);
+CREATE INDEX ledger_by_order ON ledger (tenant_no, order_id);
+CREATE TABLE idempotency (tenant_no INT NOT NULL, `key` VARCHAR(255) {ASCII} NOT NULL,
+    request_hash BINARY(16) NOT NULL, response_code SMALLINT, response_type TINYINT,
+    response_body MEDIUMBLOB, created_at BIGINT NOT NULL, response_event BIGINT,
+    PRIMARY KEY (tenant_no, `key`)) ENGINE = InnoDB;
+CREATE INDEX idempotency_by_age ON idempotency (created_at);
+CREATE TABLE events (id BINARY(16) NOT NULL PRIMARY KEY, tenant_no INT NOT NULL, seq BIGINT,
+    type SMALLINT NOT NULL, ordering_key VARCHAR(400) {ASCII}, at BIGINT NOT NULL, data MEDIUMBLOB NOT NULL)
+    ENGINE = InnoDB;
+CREATE UNIQUE INDEX events_feed ON events (tenant_no, seq);
+""",
+    "actions": f"""
+CREATE TABLE actions (tenant_no INT NOT NULL, seq BIGINT NOT NULL, `key` VARCHAR(255) {ASCII},
+    request_hash BINARY(16), order_id VARCHAR(200) {ASCII}, type SMALLINT NOT NULL, code SMALLINT NOT NULL,
+    at BIGINT NOT NULL, data MEDIUMBLOB NOT NULL, PRIMARY KEY (tenant_no, seq)) ENGINE = InnoDB;
+CREATE UNIQUE INDEX actions_by_key ON actions (tenant_no, `key`);
+CREATE INDEX actions_by_order ON actions (tenant_no, order_id);
+CREATE TABLE ledger (tenant_no INT NOT NULL, resource_key VARCHAR(200) {ASCII} NOT NULL, seq BIGINT NOT NULL,
+    bucket INT NOT NULL DEFAULT 0, op TINYINT NOT NULL, qty BIGINT NOT NULL, action_seq BIGINT NOT NULL,
+    reservation_id VARBINARY(16), available_after BIGINT NOT NULL, reserved_after BIGINT NOT NULL,
+    consumed_after BIGINT NOT NULL, version_after BIGINT NOT NULL, plugin_version BIGINT,
+    line_key VARCHAR(400) {ASCII}, limit_key VARCHAR(400) {ASCII}, reverses VARBINARY(16),
+    PRIMARY KEY (tenant_no, resource_key, seq)) ENGINE = InnoDB;
+CREATE UNIQUE INDEX ledger_identity ON ledger (tenant_no, action_seq, op, resource_key, bucket);
+""",
+    "floor": f"""
+CREATE TABLE actions (tenant_no INT NOT NULL, seq BIGINT NOT NULL, `key` VARCHAR(255) {ASCII},
+    request_hash BINARY(16), order_id VARCHAR(200) {ASCII}, type SMALLINT NOT NULL, code SMALLINT NOT NULL,
+    at BIGINT NOT NULL, data MEDIUMBLOB NOT NULL, `lines` MEDIUMBLOB, PRIMARY KEY (tenant_no, seq)) ENGINE = InnoDB;
+CREATE UNIQUE INDEX actions_by_key ON actions (tenant_no, `key`);
+CREATE INDEX actions_by_order ON actions (tenant_no, order_id);
+""",
+}
+
+MYSQL_LOADS = {
+    # PostgreSQL's, with MySQL's quoting of the column `key`.
+    "stored": [sql.replace(" key,", " `key`,") for sql in PG_LOADS["stored"]],
+    "compact": [
+        """INSERT INTO events SELECT UNHEX(evt_hex), tenant_no, seq, type_no, ordering_compact, at,
+           UNHEX(data_hex) FROM s_orders WHERE n BETWEEN lo AND hi""",
+        """INSERT INTO idempotency SELECT tenant_no, `key`, UNHEX(request_hash), code, rtype_no, NULL, created_at,
+           seq FROM s_orders WHERE n BETWEEN lo AND hi""",
+        """INSERT INTO ledger SELECT lseq, tenant_no, resource_key, bucket, op_no, qty, UNHEX(req_hex), order_id,
+           NULL, available_after, reserved_after, consumed_after, version_after, plugin_version, at,
+           line_compact, limit_key, NULL FROM s_lines WHERE n BETWEEN lo AND hi ORDER BY lseq""",
+    ],
+    "actions": [
+        """INSERT INTO actions SELECT tenant_no, seq, `key`, UNHEX(request_hash), order_compact, type_no, code, at,
+           UNHEX(data_hex) FROM s_orders WHERE n BETWEEN lo AND hi""",
+        """INSERT INTO ledger SELECT tenant_no, resource_key, lseq, bucket, op_no, qty, action_seq, NULL,
+           available_after, reserved_after, consumed_after, version_after, plugin_version, line_compact,
+           limit_key, NULL FROM s_lines WHERE n BETWEEN lo AND hi ORDER BY lseq""",
+    ],
+    "floor": [
+        """INSERT INTO actions SELECT tenant_no, seq, `key`, UNHEX(request_hash), order_compact, type_no, code, at,
+           UNHEX(data_hex), UNHEX(lines_hex) FROM s_orders WHERE n BETWEEN lo AND hi""",
+    ],
+}
+
+MYSQL_STAGE_ORDERS = (
+    "n, tenant_id, tenant_no, seq, evt_id, hex(evt_blob), type, type_no, ordering_key, ordering_compact, at, "
+    "data, hex(data_blob), key, request_hash, code, rtype, rtype_no, created_at, order_id, order_compact, "
+    "hex(lines_blob)")
+MYSQL_STAGE_LINES = (
+    "n, lseq, tenant_id, tenant_no, resource_key, bucket, op, op_no, qty, request_id, hex(req_blob), order_id, "
+    "reservation_id, available_after, reserved_after, consumed_after, version_after, plugin_version, at, "
+    "line_key, line_compact, limit_key, reverses, action_seq")
+
+
+def tsv(stage_path, columns, table, out):
+    """A stage table as tab-separated values for LOAD DATA, NULL as \\N."""
+    st = sqlite3.connect(stage_path)
+    with open(out, "w") as f:
+        for row in st.execute(f"SELECT {columns} FROM {table} ORDER BY {'n' if table == 'orders' else 'lseq'}"):
+            f.write("\t".join("\\N" if v is None else str(v) for v in row) + "\n")
+    st.close()
+
+
+def load_mysql(url, stage_path, work, orders, batch):
+    """Each layout in a scratch database of its own on a MySQL/MariaDB server (mysql://USER@HOST:PORT);
+    returns {layout: ({index: bytes of its leaf pages}, secs)}."""
+    rest = url.split("://", 1)[1]
+    user, hostport = rest.split("@", 1) if "@" in rest else ("root", rest)
+    host, port = hostport.rsplit(":", 1) if ":" in hostport else (hostport, "3306")
+    cli = ["mariadb" if shutil.which("mariadb") else "mysql", "-u", user, "-h", host, "-P", port,
+           "--local-infile=1", "-N", "-B"]
+    tsv(stage_path, MYSQL_STAGE_ORDERS, "orders", f"{work}/orders.tsv")
+    tsv(stage_path, MYSQL_STAGE_LINES, "lines", f"{work}/lines.tsv")
+    results = {}
+    for layout in LAYOUTS:
+        db = f"stockd_schema_trial_{layout}_{os.urandom(4).hex()}"
+        statements = ";\n".join(MYSQL_LOADS[layout])
+        script = f"""
+CREATE DATABASE {db}; USE {db};
+CREATE TABLE s_orders (n INT PRIMARY KEY, tenant_id VARCHAR(64), tenant_no INT, seq BIGINT, evt_id VARCHAR(64),
+  evt_hex VARCHAR(64), type VARCHAR(64), type_no SMALLINT, ordering_key VARCHAR(400), ordering_compact VARCHAR(400),
+  at BIGINT, data MEDIUMTEXT, data_hex MEDIUMTEXT, `key` VARCHAR(255), request_hash VARCHAR(128), code SMALLINT,
+  rtype VARCHAR(16), rtype_no SMALLINT, created_at BIGINT, order_id VARCHAR(200), order_compact VARCHAR(200),
+  lines_hex MEDIUMTEXT) ENGINE = InnoDB;
+CREATE TABLE s_lines (n INT, lseq BIGINT PRIMARY KEY, tenant_id VARCHAR(64), tenant_no INT,
+  resource_key VARCHAR(200), bucket INT, op VARCHAR(16), op_no TINYINT, qty BIGINT, request_id VARCHAR(400),
+  req_hex VARCHAR(64), order_id VARCHAR(200), reservation_id VARCHAR(200), available_after BIGINT,
+  reserved_after BIGINT, consumed_after BIGINT, version_after BIGINT, plugin_version BIGINT, at BIGINT,
+  line_key VARCHAR(400), line_compact VARCHAR(400), limit_key VARCHAR(400), reverses VARCHAR(400),
+  action_seq BIGINT, KEY (n)) ENGINE = InnoDB;
+LOAD DATA LOCAL INFILE '{work}/orders.tsv' INTO TABLE s_orders;
+LOAD DATA LOCAL INFILE '{work}/lines.tsv' INTO TABLE s_lines;
+{MYSQL_LAYOUTS[layout]}
+DELIMITER //
+CREATE PROCEDURE load_all() BEGIN
+  DECLARE lo INT DEFAULT 1; DECLARE hi INT;
+  WHILE lo <= {orders} DO
+    SET hi = lo + {batch} - 1;
+    START TRANSACTION;
+    {statements};
+    COMMIT;
+    SET lo = hi + 1;
+  END WHILE;
+END //
+DELIMITER ;
+SELECT UNIX_TIMESTAMP(NOW(6));
+CALL load_all();
+SELECT UNIX_TIMESTAMP(NOW(6));
+"""
+        try:
+            out = subprocess.run(cli, input=script, capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"MySQL load of {layout} failed:\n{out.stderr}")
+            start, end = (float(x) for x in out.stdout.split()[-2:])
+            tables = "'ledger', 'idempotency', 'events', 'actions'"
+            subprocess.run(cli + [db, "-e", "ANALYZE TABLE " + ", ".join(
+                t for t in ("ledger", "idempotency", "events", "actions")
+                if t in MYSQL_LAYOUTS[layout])], capture_output=True, text=True, check=True)
+            sizes = subprocess.run(cli + ["-e", f"""SELECT CONCAT(table_name, '.', index_name), stat_value * @@innodb_page_size
+                FROM mysql.innodb_index_stats WHERE database_name = '{db}' AND table_name IN ({tables})
+                AND stat_name = 'n_leaf_pages'"""], capture_output=True, text=True, check=True).stdout
+            results[layout] = ({n: int(v) for n, v in (l.split("\t") for l in sizes.splitlines() if l)},
+                               end - start)
+        finally:
+            subprocess.run(cli + ["-e", f"DROP DATABASE IF EXISTS {db}"], capture_output=True)
+    return results
+
+
 
 def take_option(args, name):
     """The value after `name` in `args`, both taken out of it; None without `name`."""
@@ -447,6 +627,7 @@ def take_option(args, name):
 def main():
     args = sys.argv[1:]
     pg = take_option(args, "--postgres")
+    my = take_option(args, "--mysql")
     rounds = int(take_option(args, "--rounds") or 1)
     synchronous = (take_option(args, "--synchronous") or "off").upper()
     if synchronous not in ("OFF", "NORMAL", "FULL"):
@@ -478,6 +659,12 @@ def main():
                 total = sum(sizes.values())
                 parts = ", ".join(f"{n} {s / orders:.0f}" for n, s in sorted(sizes.items()) if s > 8192 * 2)
                 print(f"postgres {layout:8s} {total / orders:7.1f} B/order  load {secs / orders * 1e6:6.1f} us/order"
+                      f"   {parts}")
+        if my:
+            for layout, (sizes, secs) in load_mysql(my, stage_path, work, orders, batch).items():
+                total = sum(sizes.values())
+                parts = ", ".join(f"{n} {s / orders:.0f}" for n, s in sorted(sizes.items()))
+                print(f"mysql    {layout:8s} {total / orders:7.1f} B/order  load {secs / orders * 1e6:6.1f} us/order"
                       f"   {parts}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
