@@ -45,7 +45,7 @@ with `pg_relation_size`. With --mysql the same on a MySQL/MariaDB server (a scra
 layout, one transaction a batch from a procedure, each commit flushed as the server's default
 says), sized by InnoDB's leaf pages (`n_leaf_pages` after `ANALYZE TABLE`). Needs the `sqlite3`
 command-line client, and `psql` or `mariadb`/`mysql` for those."""
-import base64, collections, os, shutil, sqlite3, subprocess, sys, tempfile, time
+import base64, collections, os, re, shutil, sqlite3, subprocess, sys, tempfile, time
 
 LAYOUTS = ("stored", "compact", "actions", "floor")
 CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
@@ -599,12 +599,12 @@ SELECT UNIX_TIMESTAMP(NOW(6));
             if out.returncode != 0:
                 sys.exit(f"MySQL load of {layout} failed:\n{out.stderr}")
             start, end = (float(x) for x in out.stdout.split()[-2:])
-            tables = "'ledger', 'idempotency', 'events', 'actions'"
-            subprocess.run(cli + [db, "-e", "ANALYZE TABLE " + ", ".join(
-                t for t in ("ledger", "idempotency", "events", "actions")
-                if t in MYSQL_LAYOUTS[layout])], capture_output=True, text=True, check=True)
+            tables = re.findall(r"CREATE TABLE (\w+)", MYSQL_LAYOUTS[layout])
+            subprocess.run(cli + [db, "-e", "ANALYZE TABLE " + ", ".join(tables)],
+                           capture_output=True, text=True, check=True)
+            quoted = ", ".join(f"'{t}'" for t in tables)
             sizes = subprocess.run(cli + ["-e", f"""SELECT CONCAT(table_name, '.', index_name), stat_value * @@innodb_page_size
-                FROM mysql.innodb_index_stats WHERE database_name = '{db}' AND table_name IN ({tables})
+                FROM mysql.innodb_index_stats WHERE database_name = '{db}' AND table_name IN ({quoted})
                 AND stat_name = 'n_leaf_pages'"""], capture_output=True, text=True, check=True).stdout
             results[layout] = ({n: int(v) for n, v in (l.split("\t") for l in sizes.splitlines() if l)},
                                end - start)

@@ -20,32 +20,11 @@ the sampling takes little of the machine and nothing of the writer's thread.
 VFS gathers a commit's frames into a few large writes, that saw none.)"""
 import collections, json, os, shutil, struct, subprocess, sys, tempfile, time
 
-
-def parent(pid):
-    """A process's parent pid (/proc/PID/stat; its name may hold spaces and parentheses)."""
-    with open(f"/proc/{pid}/stat") as f:
-        raw = f.read()
-    return int(raw[raw.rindex(")") + 2:].split()[1])
+import hooked
 
 
 # Frame headers read at most a sample: a few dozen commits of each WAL generation.
 MOST_FRAMES = 4000
-
-
-def server_of(bench):
-    """The `stockd serve` the bench started (its child)."""
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            ppid = parent(p)
-            with open(f"/proc/{p}/cmdline") as f:
-                args = f.read().split("\0")
-        except (OSError, ValueError):
-            continue
-        if ppid == bench and "serve" in args:
-            return int(p)
-    sys.exit("wal-frames: the bench's server was not found")
 
 
 def wal_of(server):
@@ -63,7 +42,7 @@ def wal_of(server):
 def attach(work):
     """Before the load: start a sampler that reads the WAL until the load ends (`pages`)."""
     scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")
-    wal = wal_of(server_of(parent(os.getppid())))  # the hook runs under `sh -c`, the bench's child
+    wal = wal_of(hooked.server_pid())
     subprocess.Popen([sys.executable, os.path.abspath(__file__), "--sample", work, scenario, wal],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)
@@ -90,8 +69,7 @@ def sample(work, scenario, wal):
 def pages(work):
     """After the load: stop the sampler, and map every page to its b-tree."""
     scenario = os.environ.get("STOCKD_BENCH_SCENARIO", "?")
-    server = server_of(parent(os.getppid()))
-    db = wal_of(server)[:-len("-wal")]
+    db = wal_of(hooked.server_pid())[:-len("-wal")]
     open(f"{work}/{scenario}.done", "w").close()
     deadline = time.time() + 30
     while not os.path.exists(f"{work}/{scenario}.commits.json") and time.time() < deadline:
