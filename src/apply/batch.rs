@@ -257,6 +257,7 @@ pub async fn admit<P: Port>(
             request_hash: job.idempotency.request_hash.clone(),
             response: response.clone(),
             event,
+            request_id: Some(request_id),
             at: now_ms,
         });
         out.orders[i] = Some(OrderExecution {

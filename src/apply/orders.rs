@@ -142,8 +142,8 @@ pub async fn execute<P: Port>(port: &mut P, job: &OrderJob, now_ms: i64) -> Resu
     // An applied order's answer is its event's payload: the record keeps the event's id.
     let applied = (status != OrderStatus::Rejected)
         .then(|| events::order_applied_event(job.tenant.as_str(), job.order.order_id.as_str(), &response.body, now_ms));
-    port.store_outcome(&job.tenant, &job.idempotency, &response, applied.as_ref().map(|e| e.id.as_str()), now_ms)
-        .await?;
+    let event = applied.as_ref().map(|e| e.id.as_str());
+    port.store_outcome(&job.tenant, &job.idempotency, &response, event, Some(&request_id), now_ms).await?;
     if let Some(applied) = applied {
         let tenant = job.tenant.as_str();
         port.emit(&applied).await?;

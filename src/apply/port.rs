@@ -210,6 +210,10 @@ pub struct Outcome {
     /// The batch's event whose payload is `response.body` (an applied order's `order.applied`):
     /// the record then keeps this id instead of the body.
     pub event: Option<String>,
+    /// The request whose ledger entries the batch writes with this record (an order's; `None`
+    /// where it writes none of its own here, as settlement's records). A backend may find those
+    /// entries through the record when their order id is the key (SQLite does).
+    pub request_id: Option<String>,
     pub at: i64,
 }
 
@@ -265,13 +269,15 @@ pub trait Port {
     /// Stores the outcome of a key this write claimed, in the same transaction as its effects.
     /// `event`: the id of an event this transaction writes whose payload is `response.body`
     /// byte for byte; the record then points at it instead of keeping the body (see
-    /// [`crate::storage::body_columns`]).
+    /// [`crate::storage::body_columns`]). `request_id`: the request whose ledger entries this
+    /// transaction wrote with the record, as [`Outcome::request_id`].
     async fn store_outcome(
         &mut self,
         tenant: &TenantId,
         idem: &IdempotencyRequest,
         response: &StoredResponse,
         event: Option<&str>,
+        request_id: Option<&str>,
         now_ms: i64,
     ) -> Result<(), StorageError>;
     /// Gives back a claimed key whose request ends without a stored outcome.

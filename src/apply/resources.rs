@@ -105,7 +105,7 @@ pub async fn adjust<P: Port>(
             None => return Err(StorageError::Internal(format!("resource {key} vanished during an adjustment"))),
         }
     };
-    port.store_outcome(tenant, idem, &response, None, now_ms).await?;
+    port.store_outcome(tenant, idem, &response, None, None, now_ms).await?;
     if response.status == 200 {
         events::observe_stock(port, tenant.as_str(), key.as_str(), now_ms).await?;
     }

@@ -71,7 +71,7 @@ async fn refuse<P: Port>(
     now_ms: i64,
 ) -> Result<Reversed, StorageError> {
     let response = StoredResponse::problem(&refusal.problem())?;
-    port.store_outcome(&job.tenant, &job.idempotency, &response, None, now_ms).await?;
+    port.store_outcome(&job.tenant, &job.idempotency, &response, None, None, now_ms).await?;
     Ok(Reversed::Answered(Idempotent::Fresh(response)))
 }
 
@@ -122,7 +122,7 @@ pub async fn reverse<P: Port>(port: &mut P, job: &ReversalJob, now_ms: i64) -> R
     port.release(Savepoint::Lines).await?;
     let document = ReversalDocument::build(order_id, &reversal_id, job.reason.as_deref(), &lines);
     let response = StoredResponse::json(201, &document)?;
-    port.store_outcome(&job.tenant, &job.idempotency, &response, None, now_ms).await?;
+    port.store_outcome(&job.tenant, &job.idempotency, &response, None, None, now_ms).await?;
     emit_reversed(port, tenant, &document, now_ms).await?;
     events::observe_all(port, tenant, lines.iter().map(|l| l.resource.as_str()), now_ms).await?;
     Ok(Reversed::Answered(Idempotent::Fresh(response)))

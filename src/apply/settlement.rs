@@ -361,6 +361,7 @@ pub async fn settle_run<P: Port>(
                 request_hash: r.h.clone(),
                 response: StoredResponse { status: 201, content_type: ContentType::Json, body: r.body.clone() },
                 event: Some(applied.id.clone()),
+                request_id: None,
                 at: r.at,
             });
             d.applied = Some(applied);

@@ -311,7 +311,9 @@ fn order_job(spec: &OrderSpec, tenants: usize, ttl_ms: i64) -> OrderJob {
         tenant: tenant_id(spec.tenant, tenants),
         idempotency: idempotency(spec.idem, &format!("order {body:?}")),
         order: OrderRequest {
-            order_id: OrderId::parse(format!("o{}", body.order_id)).expect("a valid order id"),
+            // Named like keys, so that some orders are sent with their own id as their key
+            // (found through the key's record on SQLite: migrations/sqlite/0022).
+            order_id: OrderId::parse(format!("k{}", body.order_id)).expect("a valid order id"),
             user_id: None,
             action: body.action,
             ttl_seconds: None,
@@ -669,8 +671,8 @@ pub(super) const RESOURCES: &str =
     "SELECT tenant_id, key, kind, status, mode, buckets, total, available, reserved, consumed,
         version, updated_at, stock FROM resources ORDER BY tenant_id, key";
 pub(super) const LEDGER: &str = "SELECT tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
-        available_after, reserved_after, consumed_after, version_after, plugin_version, at, line_key, limit_key
-        FROM ledger ORDER BY seq";
+        available_after, reserved_after, consumed_after, version_after, plugin_version, at, line_key, limit_key,
+        by_key FROM ledger ORDER BY seq";
 pub(super) const EVENTS: &str =
     "SELECT tenant_id, seq, type, ordering_key, at, data FROM events ORDER BY tenant_id, seq";
 const RESERVATIONS: &str =
@@ -678,7 +680,8 @@ const RESERVATIONS: &str =
 pub(super) const USER_LIMITS: &str = "SELECT tenant_id, key, used FROM user_limits ORDER BY tenant_id, key";
 /// The answer as a replay reads it, and where it is kept (inline, or in the order's event).
 pub(super) const IDEMPOTENCY: &str = "SELECT i.tenant_id, i.key, i.request_hash, i.response_code, i.response_type,
-        COALESCE(i.response_body, e.data), i.response_event IS NULL, i.created_at
+        COALESCE(i.response_body, e.data), i.response_event IS NULL, i.created_at,
+        (SELECT f.request_id FROM ledger f WHERE f.seq = i.ledger_seq) AS found_by_key
         FROM idempotency i LEFT JOIN events e ON e.id = i.response_event ORDER BY i.tenant_id, i.key";
 const BUCKETS: &str =
     "SELECT tenant_id, resource_key, bucket, total, available, reserved, consumed, version, updated_at

@@ -463,3 +463,62 @@ async fn read_back(shop: &TenantClient, orders: [(&serde_json::Value, &String); 
     let answered: serde_json::Value = serde_json::from_str(orders[0].1).expect("the answer is JSON");
     assert_eq!(page["items"][0]["data"], answered, "the feed carries the document as answered");
 }
+
+/// An order sent with its own id as its idempotency key (SQLite finds its ledger entries
+/// through that key's record, not an index by order id: migrations/sqlite/0022) is read and
+/// reversed the same on every backend: before its record's retention, after it (the key
+/// answers nothing and is free again), and after a new order takes the key and the order id
+/// again, when both orders' entries count. Never more is given back than was taken.
+#[tokio::test]
+async fn an_order_keyed_by_its_own_id_is_found_past_its_records_retention_and_after_the_key_is_reused() {
+    let app =
+        spawn_app_with(AppOptions::default().toml("[idempotency]\nretention_hours = 1\npurge_interval_seconds = 1"))
+            .await;
+    let shop = app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 10).await;
+    shop.create_resource("sku-2", 10).await;
+    let placed = shop.order("ORD-K", &deduct("ORD-K", &[("sku-1", 3), ("sku-2", 1)])).await;
+    assert_eq!(placed.status(), 201, "{}", placed.text);
+    let reverse = |key: &'static str, qty: i64| {
+        let body = serde_json::json!({"lines": [{"key": "sku-1", "qty": qty}], "reason": "returned"});
+        let shop = &shop;
+        async move { shop.post_with_key("/v1/orders/ORD-K/reversals", key, &body).await }
+    };
+    let sku1 = |order: &serde_json::Value| {
+        let lines = order["lines"].as_array().cloned().unwrap_or_default();
+        let line = lines.into_iter().find(|l| l["key"] == "sku-1").unwrap_or_else(|| panic!("a line sku-1: {order}"));
+        (line["deducted"].as_i64(), line["reversed"].as_i64(), line["reversible"].as_i64())
+    };
+    assert_eq!(reverse("r-1", 1).await.status(), 201);
+    assert_eq!(sku1(&shop.get("/v1/orders/ORD-K").await.expect_json(200)), (Some(3), Some(1), Some(2)));
+
+    // Past the retention: the order's record and the reversal's are purged.
+    let mut db = Db::connect(&app).await;
+    db.execute(&format!(
+        "UPDATE idempotency SET created_at = created_at - {} WHERE tenant_id = 'shop' AND \"key\" IN ('ORD-K', 'r-1')",
+        2 * HOUR_MS
+    ))
+    .await;
+    let answering = "SELECT COUNT(*) FROM idempotency WHERE tenant_id = 'shop' AND \"key\" IN ('ORD-K', 'r-1')
+                     AND response_code IS NOT NULL";
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while db.count(answering).await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the 2-hour-old records were never purged");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let order = shop.get("/v1/orders/ORD-K").await.expect_json(200);
+    assert_eq!(sku1(&order), (Some(3), Some(1), Some(2)), "the order is found past its record: {order}");
+    assert_eq!(reverse("r-2", 2).await.status(), 201);
+    assert_problem(&reverse("r-3", 1).await, 409, "exceeds_reversible");
+
+    // The key is free: the same request is a new order now, under the same order id.
+    let again = shop.order("ORD-K", &deduct("ORD-K", &[("sku-1", 2)])).await;
+    assert_eq!(again.status(), 201, "{}", again.text);
+    assert!(!again.replayed(), "past the retention the key is free");
+    let order = shop.get("/v1/orders/ORD-K").await.expect_json(200);
+    assert_eq!(sku1(&order), (Some(5), Some(3), Some(2)), "both orders' entries: {order}");
+    assert_problem(&reverse("r-4", 3).await, 409, "exceeds_reversible");
+    assert_eq!(reverse("r-5", 2).await.status(), 201);
+    crate::helpers::assert_counts(&shop.state("sku-1").await, 10, 0, 0, 10);
+    crate::helpers::assert_counts(&shop.state("sku-2").await, 9, 0, 1, 10);
+}

@@ -275,6 +275,8 @@ impl Port for MyPort<'_> {
         idem: &IdempotencyRequest,
         response: &StoredResponse,
         event: Option<&str>,
+        // Found through `ledger_by_order` like any other order's entries.
+        _request_id: Option<&str>,
         _now_ms: i64,
     ) -> Result<(), StorageError> {
         let (body, event) = body_columns(response, event);

@@ -113,14 +113,27 @@ pub fn ensure_config_tenant(
     Ok(())
 }
 
+/// Forgets up to `limit` records created before `before_ms`, oldest first. A record through which
+/// its order's ledger entries are found (`ledger_seq`, migrations/sqlite/0022) becomes a stub
+/// that answers nothing and keeps the key with `ledger_seq`; the others are deleted. The stubs
+/// are made first: the live records left of the oldest `limit` are then the oldest `limit -
+/// stubbed`, all without `ledger_seq`, which the delete takes.
 pub fn purge_idempotency(conn: &Connection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
-    let deleted = conn
-        .prepare_cached(
-            "DELETE FROM idempotency WHERE (tenant_id, key) IN
-               (SELECT tenant_id, key FROM idempotency WHERE created_at < ?1 LIMIT ?2)",
-        )?
+    const OLDEST: &str = "SELECT tenant_id, key FROM idempotency
+        WHERE created_at < ?1 AND response_code IS NOT NULL ORDER BY created_at LIMIT ?2";
+    let stubbed = conn
+        .prepare_cached(&format!(
+            "UPDATE idempotency SET request_hash = NULL, response_code = NULL, response_type = NULL,
+                                    response_body = NULL, response_event = NULL
+             WHERE (tenant_id, key) IN ({OLDEST}) AND ledger_seq IS NOT NULL"
+        ))?
         .execute(params![before_ms, i64::from(limit)])?;
-    Ok(deleted as u64)
+    let deleted = conn
+        .prepare_cached(&format!(
+            "DELETE FROM idempotency WHERE (tenant_id, key) IN ({OLDEST}) AND ledger_seq IS NULL"
+        ))?
+        .execute(params![before_ms, i64::from(limit) - stubbed as i64])?;
+    Ok((stubbed + deleted) as u64)
 }
 
 /// A page of a tenant's events (`types`: a JSON array of type names, or empty for all).

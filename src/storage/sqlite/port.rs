@@ -129,13 +129,15 @@ fn change_sql(row: Row, how: Move, gate: Gate) -> &'static str {
 pub(super) const INSERT_LEDGER: &str =
     "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, reservation_id,
                          available_after, reserved_after, consumed_after, version_after, plugin_version, at,
-                         line_key, limit_key, reverses)
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)";
+                         line_key, limit_key, reverses, by_key)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)";
 
+/// Stores a record unless its key has one (`ON CONFLICT DO NOTHING`): a change count of 0 is a
+/// stub to evict ([`evict_stub`]) or a record that answers.
 pub(super) const INSERT_OUTCOME: &str =
     "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type,
-                                                      response_body, response_event, created_at)
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)";
+                                                      response_body, response_event, created_at, ledger_seq)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) ON CONFLICT DO NOTHING";
 
 pub(super) const INSERT_RESERVATION: &str =
     "INSERT INTO reservations (tenant_id, id, order_id, state, lines, expires_at, created_at, updated_at)
@@ -147,11 +149,29 @@ pub(super) const MOVE_RESERVATION: &str = "UPDATE reservations SET state = ?1, u
 pub(super) const INSERT_EVENT: &str =
     "INSERT INTO events (id, tenant_id, seq, type, ordering_key, at, data) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
 
-/// Writes one ledger entry with `statement`, [`INSERT_LEDGER`] prepared.
+/// [`rows::ORDER_ENTRIES_SQL`] on SQLite: an order's entries are those `ledger_by_order` holds
+/// and those found through the record stored under the order id (`by_key`, through the entry its
+/// `ledger_seq` names and `ledger_identity`; migrations/sqlite/0022). Both indexes are named:
+/// without statistics SQLite may read the tenant's whole ledger through an index whose order
+/// suits the GROUP BY (`ledger_by_resource`) instead of the order's few rows.
+pub(super) const ORDER_ENTRIES: &str = "SELECT resource_key, bucket, op, CAST(SUM(qty) AS BIGINT) AS qty,
+        MIN(line_key) AS line_key, MIN(limit_key) AS limit_key, MIN(request_id) AS first_request
+    FROM (SELECT resource_key, bucket, op, qty, line_key, limit_key, request_id
+          FROM ledger INDEXED BY ledger_by_order WHERE tenant_id = ?1 AND order_id = ?2 AND by_key IS NULL
+          UNION ALL
+          SELECT l.resource_key, l.bucket, l.op, l.qty, l.line_key, l.limit_key, l.request_id
+          FROM idempotency i JOIN ledger f ON f.seq = i.ledger_seq
+               JOIN ledger l INDEXED BY ledger_identity ON l.tenant_id = ?1 AND l.request_id = f.request_id
+          WHERE i.tenant_id = ?1 AND i.key = ?2 AND l.order_id = ?2 AND l.by_key = 1)
+    GROUP BY resource_key, bucket, op ORDER BY resource_key, bucket, op LIMIT ?3";
+
+/// Writes one ledger entry with `statement`, [`INSERT_LEDGER`] prepared; `by_key`: found by its
+/// order id through the record of that key (migrations/sqlite/0022), not `ledger_by_order`.
 fn insert_ledger(
     statement: &mut rusqlite::CachedStatement<'_>,
     e: &Entry<'_>,
     after: Counts,
+    by_key: bool,
 ) -> Result<(), StorageError> {
     statement.execute(params![
         e.tenant,
@@ -170,9 +190,55 @@ fn insert_ledger(
         e.at,
         e.line_key,
         e.limit_key,
-        e.reverses
+        e.reverses,
+        by_key.then_some(1)
     ])?;
     Ok(())
+}
+
+/// Stores an idempotency record with [`INSERT_OUTCOME`] prepared as `insert`, its key's stub
+/// evicted first if it has one. `Ok(false)`: the key has a record that answers.
+fn insert_outcome(
+    conn: &Connection,
+    insert: &mut rusqlite::CachedStatement<'_>,
+    values: &[&dyn rusqlite::ToSql],
+    tenant: &str,
+    key: &str,
+) -> Result<bool, StorageError> {
+    if insert.execute(values)? == 1 {
+        return Ok(true);
+    }
+    if !evict_stub(conn, tenant, key)? {
+        return Ok(false);
+    }
+    Ok(insert.execute(values)? == 1)
+}
+
+/// Gives a stub's key back (migrations/sqlite/0022): the entries its order was found by go back
+/// into `ledger_by_order`, then the stub goes. `false`: the key has no stub.
+fn evict_stub(conn: &Connection, tenant: &str, key: &str) -> Result<bool, StorageError> {
+    let stub: Option<i64> = conn
+        .prepare_cached(
+            "SELECT ledger_seq FROM idempotency WHERE tenant_id = ?1 AND key = ?2 AND response_code IS NULL",
+        )?
+        .query_row(params![tenant, key], |row| row.get(0))
+        .optional()?;
+    let Some(seq) = stub else { return Ok(false) };
+    conn.prepare_cached(
+        "UPDATE ledger SET by_key = NULL
+         WHERE tenant_id = ?1 AND request_id = (SELECT request_id FROM ledger WHERE seq = ?3)
+           AND order_id = ?2 AND by_key = 1",
+    )?
+    .execute(params![tenant, key, seq])?;
+    conn.prepare_cached("DELETE FROM idempotency WHERE tenant_id = ?1 AND key = ?2 AND response_code IS NULL")?
+        .execute(params![tenant, key])?;
+    Ok(true)
+}
+
+/// Why a record could not be stored: its key answers already. The writer looked the key up in
+/// the same transaction and found nothing, so this is a fault, not a request's answer.
+fn key_taken(key: &str) -> StorageError {
+    StorageError::Internal(format!("idempotency key {key} has a record already"))
 }
 
 /// The writer's connection as a [`Port`].
@@ -216,8 +282,24 @@ impl<'c> SqlitePort<'c> {
         Ok(Some(idem.judge(&hash, response)))
     }
 
+    /// Marks the entries `request` wrote for the order whose id is `key` as found through its
+    /// record (`by_key`), and returns the `seq` of the first, which the record keeps; `None`:
+    /// there are none.
+    fn found_by_key(&self, tenant: &str, key: &str, request: &str) -> Result<Option<i64>, StorageError> {
+        let mut marked = self.conn.prepare_cached(
+            "UPDATE ledger SET by_key = 1 WHERE tenant_id = ?1 AND request_id = ?2 AND order_id = ?3 RETURNING seq",
+        )?;
+        let seqs = marked.query_map(params![tenant, request, key], |row| row.get::<_, i64>(0))?;
+        let mut first: Option<i64> = None;
+        for seq in seqs {
+            let seq = seq?;
+            first = Some(first.map_or(seq, |f| f.min(seq)));
+        }
+        Ok(first)
+    }
+
     fn ledger(&self, e: &Entry<'_>, after: Counts) -> Result<(), StorageError> {
-        insert_ledger(&mut self.conn.prepare_cached(INSERT_LEDGER)?, e, after)
+        insert_ledger(&mut self.conn.prepare_cached(INSERT_LEDGER)?, e, after, false)
     }
 
     /// Writes events of one tenant, numbered next in its sequence. The only writer: numbering as
@@ -318,19 +400,38 @@ impl Port for SqlitePort<'_> {
         idem: &IdempotencyRequest,
         response: &StoredResponse,
         event: Option<&str>,
+        request_id: Option<&str>,
         now_ms: i64,
     ) -> Result<(), StorageError> {
         let (body, event) = body_columns(response, event);
-        self.conn.prepare_cached(INSERT_OUTCOME)?.execute(params![
-            tenant.as_str(),
-            idem.key.as_str(),
-            stored_hash(&idem.request_hash),
-            i64::from(response.status),
-            response.content_type.as_str(),
-            body,
-            event,
-            now_ms
-        ])?;
+        let (tenant, key) = (tenant.as_str(), idem.key.as_str());
+        // An order decided on its own wrote its entries into `ledger_by_order`; where its id is
+        // this key they leave it (the pages are this transaction's already) and are found
+        // through the record, as a batch's are (migrations/sqlite/0022).
+        let ledger_seq = match request_id {
+            Some(request) => self.found_by_key(tenant, key, request)?,
+            None => None,
+        };
+        let stored = insert_outcome(
+            self.conn,
+            &mut self.conn.prepare_cached(INSERT_OUTCOME)?,
+            params![
+                tenant,
+                key,
+                stored_hash(&idem.request_hash),
+                i64::from(response.status),
+                response.content_type.as_str(),
+                body,
+                event,
+                now_ms,
+                ledger_seq
+            ],
+            tenant,
+            key,
+        )?;
+        if !stored {
+            return Err(key_taken(key));
+        }
         Ok(())
     }
 
@@ -657,14 +758,10 @@ impl Port for SqlitePort<'_> {
         at: i64,
     ) -> Result<bool, StorageError> {
         let (body, event) = body_columns(response, event);
-        let stored = self
-            .conn
-            .prepare_cached(
-                "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
-                                          response_event, created_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) ON CONFLICT DO NOTHING",
-            )?
-            .execute(params![
+        insert_outcome(
+            self.conn,
+            &mut self.conn.prepare_cached(INSERT_OUTCOME)?,
+            params![
                 tenant,
                 key,
                 stored_hash(request_hash),
@@ -672,9 +769,12 @@ impl Port for SqlitePort<'_> {
                 response.content_type.as_str(),
                 body,
                 event,
-                at
-            ])?;
-        Ok(stored == 1)
+                at,
+                None::<i64>
+            ],
+            tenant,
+            key,
+        )
     }
 
     async fn claim_keys(
@@ -746,6 +846,15 @@ impl Port for SqlitePort<'_> {
         }
         // Each statement looked up once for the batch: `prepare_cached` hashes its SQL text at
         // every call and again when the statement goes back to the cache.
+        // An order whose id is the key its own request's record is stored under is found through
+        // that record (migrations/sqlite/0022): its entries skip `ledger_by_order`, and the record
+        // keeps the `seq` of the first.
+        let keyed: HashMap<(&str, &str), &str> = w
+            .outcomes
+            .iter()
+            .filter_map(|o| Some(((o.tenant.as_str(), o.key.as_str()), o.request_id.as_deref()?)))
+            .collect();
+        let mut first_by_key: HashMap<(&str, &str), i64> = HashMap::new();
         let mut ledger = self.conn.prepare_cached(INSERT_LEDGER)?;
         for l in &w.ledger {
             let entry = Entry {
@@ -763,7 +872,12 @@ impl Port for SqlitePort<'_> {
                 limit_key: l.limit_key.as_deref(),
                 reverses: None,
             };
-            insert_ledger(&mut ledger, &entry, l.after)?;
+            let order = (l.tenant.as_str(), l.order_id.as_str());
+            let by_key = keyed.get(&order) == Some(&l.request_id.as_str());
+            insert_ledger(&mut ledger, &entry, l.after, by_key)?;
+            if by_key {
+                first_by_key.entry(order).or_insert_with(|| self.conn.last_insert_rowid());
+            }
         }
         drop(ledger);
         for r in &w.reservations {
@@ -777,7 +891,8 @@ impl Port for SqlitePort<'_> {
         let mut answers = self.conn.prepare_cached(INSERT_OUTCOME)?;
         for o in &w.outcomes {
             let (body, event) = body_columns(&o.response, o.event.as_deref());
-            answers.execute(params![
+            let ledger_seq = first_by_key.get(&(o.tenant.as_str(), o.key.as_str())).copied();
+            let values = params![
                 o.tenant,
                 o.key,
                 stored_hash(&o.request_hash),
@@ -785,8 +900,12 @@ impl Port for SqlitePort<'_> {
                 o.response.content_type.as_str(),
                 body,
                 event,
-                o.at
-            ])?;
+                o.at,
+                ledger_seq
+            ];
+            if !insert_outcome(self.conn, &mut answers, values, &o.tenant, &o.key)? {
+                return Err(key_taken(&o.key));
+            }
         }
         // A run of one tenant's events takes its numbers with one bump of its sequence.
         let mut rest = w.events.as_slice();
@@ -848,12 +967,7 @@ impl Port for SqlitePort<'_> {
         order_id: &str,
         limit: u32,
     ) -> Result<Vec<OrderEntries>, StorageError> {
-        // Without statistics SQLite may read the tenant's whole ledger through an index whose order
-        // suits the GROUP BY (`ledger_by_resource`) instead of the order's few rows: named here.
-        let sql = rows::ORDER_ENTRIES_SQL
-            .replace('$', "?")
-            .replace("FROM ledger WHERE", "FROM ledger INDEXED BY ledger_by_order WHERE");
-        let mut statement = self.conn.prepare_cached(&sql)?;
+        let mut statement = self.conn.prepare_cached(ORDER_ENTRIES)?;
         all(&mut statement, params![tenant, order_id, i64::from(limit)], rows::order_entries)
     }
 
@@ -1044,6 +1158,185 @@ mod tests {
                 step.strip_prefix("SCAN ").is_some_and(|t| tables.contains(&t.split(' ').next().unwrap_or("")))
             });
             assert!(whole.is_none(), "{sql}\nscans a whole table: {plan:?}");
+        }
+    }
+
+    mod by_key {
+        use super::*;
+        use crate::apply::port::{run_now, LedgerRow, Outcome};
+        use crate::engine::{IdempotencyKey, LedgerOp};
+        use crate::storage::{ContentType, StoredResponse};
+
+        fn migrated() -> (tempfile::TempDir, Connection) {
+            let dir = tempfile::tempdir().expect("a temporary directory");
+            let mut conn = Connection::open(dir.path().join("by-key.db")).expect("a database");
+            super::super::super::migrate::run(&mut conn).expect("migrations");
+            (dir, conn)
+        }
+
+        /// An order of a test batch: key, order id, request id, lines as (resource, qty).
+        type TestOrder<'a> = (&'a str, &'a str, &'a str, &'a [(&'a str, i64)]);
+
+        /// A batch of orders, written at `at`.
+        fn batch(orders: &[TestOrder<'_>], at: i64) -> BatchWrites {
+            let mut w = BatchWrites::default();
+            for (key, order, request, lines) in orders {
+                for (resource, qty) in lines.iter() {
+                    w.ledger.push(LedgerRow {
+                        tenant: "shop".into(),
+                        resource: (*resource).into(),
+                        bucket: 0,
+                        line_key: (*resource).into(),
+                        limit_key: None,
+                        op: LedgerOp::Deduct,
+                        qty: *qty,
+                        request_id: (*request).into(),
+                        order_id: (*order).into(),
+                        reservation_id: None,
+                        after: Counts { available: 0, reserved: 0, consumed: *qty, version: 1 },
+                        plugin_version: Some(1),
+                        at,
+                    });
+                }
+                w.outcomes.push(Outcome {
+                    tenant: "shop".into(),
+                    key: (*key).into(),
+                    request_hash: "ab".repeat(16),
+                    response: StoredResponse {
+                        status: 201,
+                        content_type: ContentType::Json,
+                        body: format!("{{\"order_id\":\"{order}\"}}"),
+                    },
+                    event: None,
+                    request_id: Some((*request).into()),
+                    at,
+                });
+            }
+            w
+        }
+
+        /// An order's entries as reversals and `GET /v1/orders/{id}` read them: (resource, qty).
+        fn entries(conn: &Connection, order: &str) -> Vec<(String, i64)> {
+            let found = run_now(SqlitePort::new(conn).order_entries("shop", order, 100)).expect("entries");
+            found.into_iter().map(|e| (e.resource, e.qty)).collect()
+        }
+
+        fn answers(conn: &Connection, key: &str) -> bool {
+            let idem =
+                IdempotencyRequest { key: IdempotencyKey::parse(key).expect("a key"), request_hash: "ab".repeat(32) };
+            SqlitePort::new(conn).lookup(&TenantId::parse("shop").expect("a tenant"), &idem).expect("lookup").is_some()
+        }
+
+        fn count(conn: &Connection, sql: &str) -> i64 {
+            conn.query_row(sql, [], |r| r.get(0)).expect("count")
+        }
+
+        /// An order whose id is its key writes no `ledger_by_order` entry and is found through
+        /// its record; past the record's retention through its stub, which answers nothing; and
+        /// once a new request takes the key, through `ledger_by_order` again, beside the new
+        /// order's entries.
+        #[test]
+        fn an_order_whose_id_is_its_key_is_found_through_its_record_its_stub_and_after_the_key_moves_on() {
+            let (_dir, conn) = migrated();
+            let w = batch(
+                &[("ord-a", "ord-a", "req_a", &[("r1", 2), ("r2", 3)]), ("k-b", "ord-b", "req_b", &[("r1", 1)])],
+                100,
+            );
+            run_now(SqlitePort::new(&conn).write_batch(&w)).expect("the batch");
+            assert_eq!(count(&conn, "SELECT COUNT(*) FROM ledger WHERE by_key = 1 AND order_id = 'ord-a'"), 2);
+            assert_eq!(
+                count(&conn, "SELECT COUNT(*) FROM ledger INDEXED BY ledger_by_order WHERE tenant_id = 'shop' AND order_id IS NOT NULL AND by_key IS NULL"),
+                1,
+                "only the order whose id is not its key is in ledger_by_order"
+            );
+            assert_eq!(entries(&conn, "ord-a"), vec![("r1".into(), 2), ("r2".into(), 3)]);
+            assert_eq!(entries(&conn, "ord-b"), vec![("r1".into(), 1)]);
+            assert!(entries(&conn, "k-b").is_empty(), "a key that is not its order's id finds nothing");
+
+            // Past their retention: the record that finds ord-a becomes a stub, k-b's goes.
+            assert_eq!(super::super::super::ops::purge_idempotency(&conn, 1_000, 100).expect("purge"), 2);
+            assert_eq!(count(&conn, "SELECT COUNT(*) FROM idempotency"), 1);
+            assert_eq!(
+                count(&conn, "SELECT COUNT(*) FROM idempotency WHERE key = 'ord-a' AND response_code IS NULL"),
+                1
+            );
+            assert!(!answers(&conn, "ord-a"), "a stub answers nothing: the key is free");
+            assert_eq!(entries(&conn, "ord-a"), vec![("r1".into(), 2), ("r2".into(), 3)]);
+            assert_eq!(super::super::super::ops::purge_idempotency(&conn, 1_000, 100).expect("purge"), 0, "stubs stay");
+
+            // A new order takes the key (and the order id) again.
+            let w = batch(&[("ord-a", "ord-a", "req_c", &[("r1", 4)])], 2_000);
+            run_now(SqlitePort::new(&conn).write_batch(&w)).expect("the second batch");
+            assert!(answers(&conn, "ord-a"));
+            assert_eq!(
+                count(&conn, "SELECT COUNT(*) FROM ledger WHERE order_id = 'ord-a' AND by_key IS NULL"),
+                2,
+                "the first order's entries are back in ledger_by_order"
+            );
+            assert_eq!(count(&conn, "SELECT COUNT(*) FROM ledger WHERE order_id = 'ord-a' AND by_key = 1"), 1);
+            assert_eq!(entries(&conn, "ord-a"), vec![("r1".into(), 6), ("r2".into(), 3)]);
+        }
+
+        /// The purge takes the oldest records first whether they become stubs or go, `limit` of
+        /// them a call, and reports each.
+        #[test]
+        fn the_purge_takes_the_oldest_records_whether_stubbed_or_deleted() {
+            let (_dir, conn) = migrated();
+            for (i, (key, order)) in [("a", "a"), ("x", "b"), ("c", "c"), ("y", "d"), ("e", "e")].iter().enumerate() {
+                let request = format!("req_{i}");
+                let w = batch(&[(key, order, request.as_str(), &[("r1", 1)])], 100 + i as i64);
+                run_now(SqlitePort::new(&conn).write_batch(&w)).expect("a batch");
+            }
+            let purge = |limit| super::super::super::ops::purge_idempotency(&conn, 103, limit).expect("purge");
+            assert_eq!(purge(2), 2);
+            assert_eq!(count(&conn, "SELECT COUNT(*) FROM idempotency WHERE key IN ('a', 'x')"), 1, "a stub, x gone");
+            assert_eq!(purge(2), 1, "only c is older than 103 and left");
+            assert_eq!(count(&conn, "SELECT COUNT(*) FROM idempotency WHERE response_code IS NULL"), 2);
+            assert_eq!(count(&conn, "SELECT COUNT(*) FROM idempotency WHERE response_code IS NOT NULL"), 2);
+            for order in ["a", "b", "c", "d", "e"] {
+                assert_eq!(entries(&conn, order), vec![("r1".into(), 1)], "{order}");
+            }
+        }
+
+        /// Reading an order's entries searches both ways by key and scans no table.
+        #[test]
+        fn an_orders_entries_are_read_by_key_both_ways() {
+            let (_dir, conn) = migrated();
+            let mut explain = conn.prepare(&format!("EXPLAIN QUERY PLAN {ORDER_ENTRIES}")).expect("explain");
+            let plan: Vec<String> = explain
+                .query_map(params!["shop", "ord-a", 10], |row| row.get::<_, String>(3))
+                .expect("plan rows")
+                .collect::<rusqlite::Result<_>>()
+                .expect("plan");
+            let has = |what: &str| plan.iter().any(|step| step.starts_with("SEARCH") && step.contains(what));
+            assert!(has("ledger_by_order (tenant_id=? AND order_id=?)"), "{plan:?}");
+            assert!(has("ledger_identity (tenant_id=? AND request_id=?)"), "{plan:?}");
+            assert!(has("i USING PRIMARY KEY (tenant_id=? AND key=?)"), "{plan:?}");
+            assert!(has("f USING INTEGER PRIMARY KEY (rowid=?)"), "{plan:?}");
+            let tables = ["ledger", "l", "f", "i", "idempotency"];
+            let whole = plan.iter().find(|step| {
+                step.strip_prefix("SCAN ").is_some_and(|t| tables.contains(&t.split(' ').next().unwrap_or("")))
+            });
+            assert!(whole.is_none(), "scans a whole table: {plan:?}");
+        }
+
+        /// Settlement's records (stored if absent) take a stub's key as any other record does.
+        #[test]
+        fn a_record_stored_if_absent_takes_a_stubs_key() {
+            let (_dir, conn) = migrated();
+            let w = batch(&[("ord-a", "ord-a", "req_a", &[("r1", 2)])], 100);
+            run_now(SqlitePort::new(&conn).write_batch(&w)).expect("the batch");
+            super::super::super::ops::purge_idempotency(&conn, 1_000, 100).expect("purge");
+            let response = StoredResponse { status: 201, content_type: ContentType::Json, body: "{}".into() };
+            let mut port = SqlitePort::new(&conn);
+            let hash = "cd".repeat(32);
+            assert!(
+                run_now(port.store_outcome_if_absent("shop", "ord-a", &hash, &response, None, 3_000)).expect("store")
+            );
+            assert!(
+                !run_now(port.store_outcome_if_absent("shop", "ord-a", &hash, &response, None, 3_000)).expect("again")
+            );
+            assert_eq!(entries(&conn, "ord-a"), vec![("r1".into(), 2)]);
         }
     }
 
