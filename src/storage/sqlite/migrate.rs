@@ -336,4 +336,65 @@ mod tests {
             .expect("the events");
         assert_eq!(left, [old_young_at, young], "only the event old by its id and its time is gone");
     }
+
+    /// 0022 keeps every record as it was (none finds an order: `ledger_seq` NULL) and every
+    /// entry in `ledger_by_order`, through which its order is still found; its CHECK takes a
+    /// record that answers or a stub that finds an order, and nothing in between.
+    #[test]
+    fn records_and_entries_from_before_0022_are_kept_and_still_found() {
+        let (_dir, mut conn) = fresh();
+        run_through(&mut conn, 21).expect("migrations up to 0021");
+        conn.execute_batch(
+            "INSERT INTO ledger (tenant_id, resource_key, bucket, op, qty, request_id, order_id, available_after,
+                                 reserved_after, consumed_after, version_after, at)
+             VALUES ('shop', 'a', 0, 'deduct', 2, 'req_1', 'ord-1', 8, 0, 2, 2, 100);
+             INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
+                                      response_event, created_at)
+             VALUES ('shop', 'ord-1', 'ab', 201, 'application/json', NULL, 'evt_1', 100),
+                    ('shop', 'k-2', 'cd', 409, 'application/problem+json', '{}', NULL, 101);",
+        )
+        .expect("rows");
+        run(&mut conn).expect("0022");
+        // key, request hash, response code, ledger_seq
+        type Record = (String, Option<String>, Option<i64>, Option<i64>);
+        let records: Vec<Record> = conn
+            .prepare("SELECT key, request_hash, response_code, ledger_seq FROM idempotency ORDER BY key")
+            .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?.collect())
+            .expect("the records");
+        assert_eq!(
+            records,
+            [("k-2".into(), Some("cd".into()), Some(409), None), ("ord-1".into(), Some("ab".into()), Some(201), None)]
+        );
+        let indexed = conn
+            .query_row(
+                "SELECT COUNT(*) FROM ledger INDEXED BY ledger_by_order
+                 WHERE tenant_id = 'shop' AND order_id = 'ord-1' AND by_key IS NULL",
+                [],
+                |r| r.get::<_, i64>(0),
+            )
+            .expect("the index");
+        assert_eq!(indexed, 1, "the entry is still in ledger_by_order");
+        let found = crate::apply::port::run_now(crate::apply::port::Port::order_entries(
+            &mut super::super::port::SqlitePort::new(&conn),
+            "shop",
+            "ord-1",
+            10,
+        ))
+        .expect("the order's entries");
+        assert_eq!(found.iter().map(|e| (e.resource.as_str(), e.qty)).collect::<Vec<_>>(), [("a", 2)]);
+
+        let half = conn.execute(
+            "INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, created_at)
+             VALUES ('shop', 'k-3', NULL, 201, 'application/json', 102)",
+            [],
+        );
+        assert!(half.is_err_and(|e| e.to_string().contains("CHECK")), "a record that answers has its hash");
+        let lost = conn.execute("INSERT INTO idempotency (tenant_id, key, created_at) VALUES ('shop', 'k-4', 102)", []);
+        assert!(lost.is_err_and(|e| e.to_string().contains("CHECK")), "a stub finds an order");
+        conn.execute(
+            "INSERT INTO idempotency (tenant_id, key, created_at, ledger_seq) VALUES ('shop', 'k-5', 102, 1)",
+            [],
+        )
+        .expect("a stub");
+    }
 }
