@@ -113,14 +113,18 @@ pub fn ensure_config_tenant(
     Ok(())
 }
 
+/// The oldest `?2` records created before `?1` that still answer, through `idempotency_by_age`,
+/// which holds no stub.
+pub(super) const OLDEST_RECORDS: &str = "SELECT tenant_id, key FROM idempotency
+    WHERE created_at < ?1 AND response_code IS NOT NULL ORDER BY created_at LIMIT ?2";
+
 /// Forgets up to `limit` records created before `before_ms`, oldest first. A record through which
 /// its order's ledger entries are found (`ledger_seq`, migrations/sqlite/0022) becomes a stub
 /// that answers nothing and keeps the key with `ledger_seq`; the others are deleted. The stubs
 /// are made first: the live records left of the oldest `limit` are then the oldest `limit -
 /// stubbed`, all without `ledger_seq`, which the delete takes.
 pub fn purge_idempotency(conn: &Connection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
-    const OLDEST: &str = "SELECT tenant_id, key FROM idempotency
-        WHERE created_at < ?1 AND response_code IS NOT NULL ORDER BY created_at LIMIT ?2";
+    const OLDEST: &str = OLDEST_RECORDS;
     let stubbed = conn
         .prepare_cached(&format!(
             "UPDATE idempotency SET request_hash = NULL, response_code = NULL, response_type = NULL,

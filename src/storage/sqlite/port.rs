@@ -160,7 +160,7 @@ pub(super) const ORDER_ENTRIES: &str = "SELECT resource_key, bucket, op, CAST(SU
           FROM ledger INDEXED BY ledger_by_order WHERE tenant_id = ?1 AND order_id = ?2 AND by_key IS NULL
           UNION ALL
           SELECT l.resource_key, l.bucket, l.op, l.qty, l.line_key, l.limit_key, l.request_id
-          FROM idempotency i JOIN ledger f ON f.seq = i.ledger_seq
+          FROM idempotency i JOIN ledger f ON f.seq = i.ledger_seq AND f.tenant_id = ?1
                JOIN ledger l INDEXED BY ledger_identity ON l.tenant_id = ?1 AND l.request_id = f.request_id
           WHERE i.tenant_id = ?1 AND i.key = ?2 AND l.order_id = ?2 AND l.by_key = 1)
     GROUP BY resource_key, bucket, op ORDER BY resource_key, bucket, op LIMIT ?3";
@@ -844,8 +844,6 @@ impl Port for SqlitePort<'_> {
                 }
             }
         }
-        // Each statement looked up once for the batch: `prepare_cached` hashes its SQL text at
-        // every call and again when the statement goes back to the cache.
         // An order whose id is the key its own request's record is stored under is found through
         // that record (migrations/sqlite/0022): its entries skip `ledger_by_order`, and the record
         // keeps the `seq` of the first.
@@ -855,6 +853,8 @@ impl Port for SqlitePort<'_> {
             .filter_map(|o| Some(((o.tenant.as_str(), o.key.as_str()), o.request_id.as_deref()?)))
             .collect();
         let mut first_by_key: HashMap<(&str, &str), i64> = HashMap::new();
+        // Each statement looked up once for the batch: `prepare_cached` hashes its SQL text at
+        // every call and again when the statement goes back to the cache.
         let mut ledger = self.conn.prepare_cached(INSERT_LEDGER)?;
         for l in &w.ledger {
             let entry = Entry {
@@ -1318,6 +1318,23 @@ mod tests {
                 step.strip_prefix("SCAN ").is_some_and(|t| tables.contains(&t.split(' ').next().unwrap_or("")))
             });
             assert!(whole.is_none(), "scans a whole table: {plan:?}");
+        }
+
+        /// The purge walks `idempotency_by_age`, where stubs are not, from its oldest entry.
+        #[test]
+        fn the_purge_walks_the_records_by_age() {
+            let (_dir, conn) = migrated();
+            let sql = super::super::super::ops::OLDEST_RECORDS;
+            let mut explain = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).expect("explain");
+            let plan: Vec<String> = explain
+                .query_map(params![1_000, 10], |row| row.get::<_, String>(3))
+                .expect("plan rows")
+                .collect::<rusqlite::Result<_>>()
+                .expect("plan");
+            // One step: no temporary b-tree for the ORDER BY, no scan.
+            assert_eq!(plan.len(), 1, "{plan:?}");
+            assert!(plan[0].starts_with("SEARCH idempotency USING"), "{plan:?}");
+            assert!(plan[0].contains("INDEX idempotency_by_age (created_at<?)"), "{plan:?}");
         }
 
         /// Settlement's records (stored if absent) take a stub's key as any other record does.
