@@ -522,3 +522,72 @@ async fn an_order_keyed_by_its_own_id_is_found_past_its_records_retention_and_af
     crate::helpers::assert_counts(&shop.state("sku-1").await, 10, 0, 0, 10);
     crate::helpers::assert_counts(&shop.state("sku-2").await, 9, 0, 1, 10);
 }
+
+/// The same under concurrency, where orders are decided together in batches: 40 orders at once,
+/// half sent with their own id as their key; past the records' retention, a reversal of each at
+/// once; then the keyed half placed again at once under the same keys and ids; each order then
+/// reads both placements, and reversing everything that is left gives the resource back whole.
+#[tokio::test]
+async fn orders_keyed_by_their_own_ids_in_batches_are_found_past_their_records_and_after_reuse() {
+    use futures::future::join_all;
+    let app =
+        spawn_app_with(AppOptions::default().toml("[idempotency]\nretention_hours = 1\npurge_interval_seconds = 1"))
+            .await;
+    let shop = &app.create_tenant("shop").await;
+    shop.create_resource("sku-1", 1000).await;
+    let orders: Vec<(String, String)> = (0..40)
+        .map(|i| {
+            let id = format!("O-{i}");
+            let key = if i % 2 == 0 { id.clone() } else { format!("k-{i}") };
+            (id, key)
+        })
+        .collect();
+    let place = |id: &str, key: &str, qty: i64| {
+        let (body, key) = (deduct(id, &[("sku-1", qty)]), key.to_owned());
+        async move { shop.order(&key, &body).await }
+    };
+    let reverse = |id: &str, key: String, body: serde_json::Value| {
+        let path = format!("/v1/orders/{id}/reversals");
+        async move { shop.post_with_key(&path, &key, &body).await }
+    };
+    for reply in join_all(orders.iter().map(|(id, key)| place(id, key, 2))).await {
+        assert_eq!(reply.status(), 201, "{}", reply.text);
+    }
+    let mut db = Db::connect(&app).await;
+    if Backend::from_env() == Backend::Sqlite {
+        let by_key = db.count("SELECT COUNT(*) FROM ledger WHERE by_key = 1").await;
+        assert_eq!(by_key, 20, "every order sent with its own id as its key is found through its record");
+    }
+
+    db.execute(&format!("UPDATE idempotency SET created_at = created_at - {} WHERE tenant_id = 'shop'", 2 * HOUR_MS))
+        .await;
+    let answering = "SELECT COUNT(*) FROM idempotency WHERE tenant_id = 'shop' AND response_code IS NOT NULL";
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while db.count(answering).await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the records were never purged");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let one = serde_json::json!({"lines": [{"key": "sku-1", "qty": 1}], "reason": "returned"});
+    for reply in join_all(orders.iter().map(|(id, _)| reverse(id, format!("r1-{id}"), one.clone()))).await {
+        assert_eq!(reply.status(), 201, "{}", reply.text);
+    }
+    for reply in join_all(orders.iter().step_by(2).map(|(id, key)| place(id, key, 3))).await {
+        assert_eq!(reply.status(), 201, "{}", reply.text);
+        assert!(!reply.replayed(), "past the retention the key is free");
+    }
+    for (i, (id, _)) in orders.iter().enumerate() {
+        let order = shop.get(&format!("/v1/orders/{id}")).await.expect_json(200);
+        let line = &order["lines"][0];
+        let deducted = if i % 2 == 0 { 5 } else { 2 };
+        assert_eq!(
+            (line["deducted"].as_i64(), line["reversed"].as_i64(), line["reversible"].as_i64()),
+            (Some(deducted), Some(1), Some(deducted - 1)),
+            "{order}"
+        );
+    }
+    let everything = serde_json::json!({});
+    for reply in join_all(orders.iter().map(|(id, _)| reverse(id, format!("r2-{id}"), everything.clone()))).await {
+        assert_eq!(reply.status(), 201, "{}", reply.text);
+    }
+    crate::helpers::assert_counts(&shop.state("sku-1").await, 1000, 0, 0, 1000);
+}
