@@ -124,17 +124,16 @@ pub(super) const OLDEST_RECORDS: &str = "SELECT tenant_id, key FROM idempotency
 /// are made first: the live records left of the oldest `limit` are then the oldest `limit -
 /// stubbed`, all without `ledger_seq`, which the delete takes.
 pub fn purge_idempotency(conn: &Connection, before_ms: i64, limit: u32) -> Result<u64, StorageError> {
-    const OLDEST: &str = OLDEST_RECORDS;
     let stubbed = conn
         .prepare_cached(&format!(
             "UPDATE idempotency SET request_hash = NULL, response_code = NULL, response_type = NULL,
                                     response_body = NULL, response_event = NULL
-             WHERE (tenant_id, key) IN ({OLDEST}) AND ledger_seq IS NOT NULL"
+             WHERE (tenant_id, key) IN ({OLDEST_RECORDS}) AND ledger_seq IS NOT NULL"
         ))?
         .execute(params![before_ms, i64::from(limit)])?;
     let deleted = conn
         .prepare_cached(&format!(
-            "DELETE FROM idempotency WHERE (tenant_id, key) IN ({OLDEST}) AND ledger_seq IS NULL"
+            "DELETE FROM idempotency WHERE (tenant_id, key) IN ({OLDEST_RECORDS}) AND ledger_seq IS NULL"
         ))?
         .execute(params![before_ms, i64::from(limit) - stubbed as i64])?;
     Ok((stubbed + deleted) as u64)

@@ -214,12 +214,12 @@ fn insert_outcome(
     Ok(insert.execute(values)? == 1)
 }
 
-/// Gives a stub's key back (migrations/sqlite/0022): the entries its order was found by go back
-/// into `ledger_by_order`, then the stub goes. `false`: the key has no stub.
+/// Gives a stub's key back (migrations/sqlite/0022): the stub goes, and the entries its order
+/// was found by go back into `ledger_by_order`. `false`: the key has no stub.
 fn evict_stub(conn: &Connection, tenant: &str, key: &str) -> Result<bool, StorageError> {
     let stub: Option<i64> = conn
         .prepare_cached(
-            "SELECT ledger_seq FROM idempotency WHERE tenant_id = ?1 AND key = ?2 AND response_code IS NULL",
+            "DELETE FROM idempotency WHERE tenant_id = ?1 AND key = ?2 AND response_code IS NULL RETURNING ledger_seq",
         )?
         .query_row(params![tenant, key], |row| row.get(0))
         .optional()?;
@@ -230,8 +230,6 @@ fn evict_stub(conn: &Connection, tenant: &str, key: &str) -> Result<bool, Storag
            AND order_id = ?2 AND by_key = 1",
     )?
     .execute(params![tenant, key, seq])?;
-    conn.prepare_cached("DELETE FROM idempotency WHERE tenant_id = ?1 AND key = ?2 AND response_code IS NULL")?
-        .execute(params![tenant, key])?;
     Ok(true)
 }
 
@@ -290,12 +288,7 @@ impl<'c> SqlitePort<'c> {
             "UPDATE ledger SET by_key = 1 WHERE tenant_id = ?1 AND request_id = ?2 AND order_id = ?3 RETURNING seq",
         )?;
         let seqs = marked.query_map(params![tenant, request, key], |row| row.get::<_, i64>(0))?;
-        let mut first: Option<i64> = None;
-        for seq in seqs {
-            let seq = seq?;
-            first = Some(first.map_or(seq, |f| f.min(seq)));
-        }
-        Ok(first)
+        Ok(seqs.collect::<rusqlite::Result<Vec<i64>>>()?.into_iter().min())
     }
 
     fn ledger(&self, e: &Entry<'_>, after: Counts) -> Result<(), StorageError> {
