@@ -14,7 +14,8 @@ fresh database for each layout:
 
 - `stored`: the tables and indexes as migrations 0001-0021 left them (their CHECK constraints
   left out; SQLite's 0022, which finds an order whose id is its key through its record instead
-  of `ledger_by_order`, came after these figures and is not in it);
+  of `ledger_by_order`, and PostgreSQL's 0022, which keys that index by a 64-bit hash of tenant
+  and order id, came after these figures and are not in it);
 - `compact`: the same rows and indexes, with compact columns: a tenant number instead of its
   text id, ids and the request hash as bytes instead of text, types and ops as numbers, the
   answer's deflate stream as bytes instead of base64, and a column that only repeats another

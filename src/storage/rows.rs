@@ -428,12 +428,24 @@ pub fn settlement_failure(row: &dyn Columns) -> Result<SettlementFailure, Storag
     })
 }
 
-/// An order's ledger entries summed per resource, bucket and op (both backends; `$n` binds on
-/// both): $1 tenant, $2 order id, $3 limit. Through `ledger_by_order`.
-pub(crate) const ORDER_ENTRIES_SQL: &str = "SELECT resource_key, bucket, op, CAST(SUM(qty) AS BIGINT) AS qty,
-        MIN(line_key) AS line_key, MIN(limit_key) AS limit_key, MIN(request_id) AS first_request
-    FROM ledger WHERE tenant_id = $1 AND order_id = $2
-    GROUP BY resource_key, bucket, op ORDER BY resource_key, bucket, op LIMIT $3";
+/// An order's ledger entries summed per resource, bucket and op, from the entries `$where`
+/// selects ($1 tenant, $2 order id; $3 limit).
+macro_rules! order_entries_sql {
+    ($where:literal) => {
+        concat!(
+            "SELECT resource_key, bucket, op, CAST(SUM(qty) AS BIGINT) AS qty,
+                    MIN(line_key) AS line_key, MIN(limit_key) AS limit_key, MIN(request_id) AS first_request
+             FROM ledger WHERE ",
+            $where,
+            " GROUP BY resource_key, bucket, op ORDER BY resource_key, bucket, op LIMIT $3"
+        )
+    };
+}
+pub(crate) use order_entries_sql;
+
+/// An order's entries through `ledger_by_order` keyed by tenant and order id (MySQL; `$n` binds
+/// there too).
+pub(crate) const ORDER_ENTRIES_SQL: &str = order_entries_sql!("tenant_id = $1 AND order_id = $2");
 
 /// One row of [`ORDER_ENTRIES_SQL`].
 pub fn order_entries(row: &dyn Columns) -> Result<crate::engine::reversal::OrderEntries, StorageError> {

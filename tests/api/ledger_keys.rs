@@ -1,7 +1,7 @@
 //! The ledger's keys on PostgreSQL, whose indexes later migrations rebuilt for speed (0018: the
 //! uniqueness ordered by request first; 0019: the primary key by resource instead of by `seq`
-//! alone): the same rules hold, and nothing else is indexed. On PostgreSQL whatever the suite's
-//! backend.
+//! alone; 0022: the order index by a hash of tenant and order id, see `query_plans`): the same
+//! rules hold, and nothing else is indexed. On PostgreSQL whatever the suite's backend.
 
 use sqlx::{Connection, PgConnection};
 

@@ -1,4 +1,4 @@
-//! PostgreSQL's plans for the batch's statements as the tables grow.
+//! PostgreSQL's plans for the batch's statements, and for an order's lookup, as the tables grow.
 //!
 //! PostgreSQL plans a prepared statement for its arguments five times, then may settle on a
 //! generic plan, which it keeps until the table's statistics change (ANALYZE: autovacuum, when
@@ -187,4 +187,75 @@ async fn a_batch_of_many_resources_looks_each_up_by_key() {
         .await
         .expect("summing what was consumed");
     assert_eq!(spent, updates, "each order consumed its one unit once");
+}
+
+/// The ledger's counters in `pg_stat_user_tables`: (index and sequential scans begun, rows read by
+/// sequential scans plus rows fetched by index scans).
+async fn ledger_reads(conn: &mut PgConnection) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT COALESCE(seq_scan, 0) + COALESCE(idx_scan, 0), COALESCE(seq_tup_read, 0) + COALESCE(idx_tup_fetch, 0)
+         FROM pg_stat_user_tables WHERE relname = 'ledger'",
+    )
+    .fetch_one(conn)
+    .await
+    .expect("pg_stat_user_tables of ledger")
+}
+
+/// An order is read through `ledger_by_order` however far the ledger grew, and whatever plan the
+/// lookup settled on: since migrations/postgres/0022 the index is keyed by a hash of the tenant
+/// and the order id, which only a condition naming that expression can use; any other reads the
+/// tenant's whole ledger (its primary key starts with the tenant). The same order id at two
+/// tenants, and one order id for three orders, read as their own entries.
+#[tokio::test]
+async fn an_order_lookup_reads_its_own_entries_by_index_however_the_ledger_grew() {
+    // No reconciliation pass reads the ledger meanwhile: the reads counted are the lookups'.
+    let app =
+        spawn_app_on(Backend::Postgres, AppOptions::default().toml("[reconciliation]\ninterval_seconds = 0")).await;
+    let shop = app.create_tenant("shop").await;
+    let other = app.create_tenant("other").await;
+    shop.create_resource("sku-1", 1_000).await;
+    other.create_resource("sku-1", 1_000).await;
+    shop.order("s-1", &deduct("ORD-1", &[("sku-1", 2)])).await.expect_json(201);
+    other.order("o-1", &deduct("ORD-1", &[("sku-1", 5)])).await.expect_json(201);
+    for i in 0..3 {
+        shop.order(&format!("s-again-{i}"), &deduct("ORD-AGAIN", &[("sku-1", 1)])).await.expect_json(201);
+    }
+
+    // Entries of the shop's under other order ids, written behind the server's back.
+    let mut conn = PgConnection::connect(app.database_url()).await.expect("PostgreSQL answers");
+    let sql = format!(
+        "INSERT INTO ledger OVERRIDING SYSTEM VALUE SELECT (jsonb_populate_record(NULL::ledger, to_jsonb(l) || jsonb_build_object(
+             'resource_key', 'grown', 'seq', 1000000 + g, 'request_id', 'req_grown' || g, 'order_id', 'grown-' || g))).*
+         FROM (SELECT * FROM ledger WHERE tenant_id = 'shop' AND order_id = 'ORD-1') l, generate_series(1, {GROWN}) g"
+    );
+    sqlx::query(&sql).execute(&mut conn).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    sqlx::query("ANALYZE ledger").execute(&mut conn).await.expect("statistics of the grown ledger");
+    let (scans, read) = ledger_reads(&mut conn).await;
+
+    // More lookups than PostgreSQL plans for their arguments before it may keep a generic plan.
+    let lookups = 12;
+    for round in 0..lookups / 3 {
+        let deducted = |order: &serde_json::Value| order["lines"][0]["deducted"].clone();
+        let mine = shop.get("/v1/orders/ORD-1").await.expect_json(200);
+        assert_eq!(deducted(&mine), 2, "round {round}: {mine}");
+        let theirs = other.get("/v1/orders/ORD-1").await.expect_json(200);
+        assert_eq!(deducted(&theirs), 5, "round {round}: {theirs}");
+        let again = shop.get("/v1/orders/ORD-AGAIN").await.expect_json(200);
+        assert_eq!(deducted(&again), 3, "round {round}: {again}");
+    }
+
+    // Backends report their statistics when idle, at most once a second: wait for the lookups.
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let (scanned, fetched) = loop {
+        let (now_scans, now_read) = ledger_reads(&mut conn).await;
+        if now_scans - scans >= lookups {
+            break (now_scans - scans, now_read - read);
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the lookups' statistics never arrived");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        fetched < GROWN,
+        "{scanned} scans of the ledger for {lookups} lookups read {fetched} rows: a lookup read the tenant's whole ledger"
+    );
 }

@@ -29,6 +29,15 @@ use crate::storage::{
     body_columns, stored_hash, IdempotencyRequest, Idempotent, NewResource, PageFrom, StorageError, StoredResponse,
 };
 
+/// An order's entries on PostgreSQL, through `ledger_by_order`, which is keyed by a hash of the
+/// tenant and the order id (migrations/postgres/0022): the condition names the index's expression,
+/// then the two values themselves, so two pairs whose hashes collide cost a row read, not a wrong
+/// answer.
+pub(super) const ORDER_ENTRIES: &str = rows::order_entries_sql!(
+    "hashtextextended(tenant_id || ' ' || order_id, 0) = hashtextextended($1::text || ' ' || $2::text, 0)
+       AND tenant_id = $1 AND order_id = $2"
+);
+
 fn corrupt(what: &str) -> StorageError {
     StorageError::Internal(format!("unexpected stored value in {what}"))
 }
@@ -992,7 +1001,7 @@ impl Port for PgPort<'_> {
         order_id: &str,
         limit: u32,
     ) -> Result<Vec<OrderEntries>, StorageError> {
-        let rows = sqlx::query(rows::ORDER_ENTRIES_SQL)
+        let rows = sqlx::query(ORDER_ENTRIES)
             .bind(tenant)
             .bind(order_id)
             .bind(i64::from(limit))
