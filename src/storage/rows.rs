@@ -428,24 +428,26 @@ pub fn settlement_failure(row: &dyn Columns) -> Result<SettlementFailure, Storag
     })
 }
 
-/// An order's ledger entries summed per resource, bucket and op, from the entries `$where`
-/// selects ($1 tenant, $2 order id; $3 limit).
+/// An order's ledger entries summed per resource, bucket and op, as [`order_entries`] reads them:
+/// from `$from` (the ledger, or a subquery with its columns, narrowed to the order's entries),
+/// at most `$limit` (the placeholder that binds the limit).
 macro_rules! order_entries_sql {
-    ($where:literal) => {
+    ($from:literal, $limit:literal) => {
         concat!(
             "SELECT resource_key, bucket, op, CAST(SUM(qty) AS BIGINT) AS qty,
                     MIN(line_key) AS line_key, MIN(limit_key) AS limit_key, MIN(request_id) AS first_request
-             FROM ledger WHERE ",
-            $where,
-            " GROUP BY resource_key, bucket, op ORDER BY resource_key, bucket, op LIMIT $3"
+             FROM ",
+            $from,
+            " GROUP BY resource_key, bucket, op ORDER BY resource_key, bucket, op LIMIT ",
+            $limit
         )
     };
 }
 pub(crate) use order_entries_sql;
 
 /// An order's entries through `ledger_by_order` keyed by tenant and order id (MySQL; `$n` binds
-/// there too).
-pub(crate) const ORDER_ENTRIES_SQL: &str = order_entries_sql!("tenant_id = $1 AND order_id = $2");
+/// there too): $1 tenant, $2 order id, $3 limit.
+pub(crate) const ORDER_ENTRIES_SQL: &str = order_entries_sql!("ledger WHERE tenant_id = $1 AND order_id = $2", "$3");
 
 /// One row of [`ORDER_ENTRIES_SQL`].
 pub fn order_entries(row: &dyn Columns) -> Result<crate::engine::reversal::OrderEntries, StorageError> {

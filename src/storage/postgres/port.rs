@@ -34,8 +34,9 @@ use crate::storage::{
 /// then the two values themselves, so two pairs whose hashes collide cost a row read, not a wrong
 /// answer.
 pub(super) const ORDER_ENTRIES: &str = rows::order_entries_sql!(
-    "hashtextextended(tenant_id || ' ' || order_id, 0) = hashtextextended($1::text || ' ' || $2::text, 0)
-       AND tenant_id = $1 AND order_id = $2"
+    "ledger WHERE hashtextextended(tenant_id || ' ' || order_id, 0) = hashtextextended($1::text || ' ' || $2::text, 0)
+       AND tenant_id = $1 AND order_id = $2",
+    "$3"
 );
 
 fn corrupt(what: &str) -> StorageError {

@@ -154,16 +154,16 @@ pub(super) const INSERT_EVENT: &str =
 /// `ledger_seq` names and `ledger_identity`; migrations/sqlite/0022). Both indexes are named:
 /// without statistics SQLite may read the tenant's whole ledger through an index whose order
 /// suits the GROUP BY (`ledger_by_resource`) instead of the order's few rows.
-pub(super) const ORDER_ENTRIES: &str = "SELECT resource_key, bucket, op, CAST(SUM(qty) AS BIGINT) AS qty,
-        MIN(line_key) AS line_key, MIN(limit_key) AS limit_key, MIN(request_id) AS first_request
-    FROM (SELECT resource_key, bucket, op, qty, line_key, limit_key, request_id
-          FROM ledger INDEXED BY ledger_by_order WHERE tenant_id = ?1 AND order_id = ?2 AND by_key IS NULL
-          UNION ALL
-          SELECT l.resource_key, l.bucket, l.op, l.qty, l.line_key, l.limit_key, l.request_id
-          FROM idempotency i JOIN ledger f ON f.seq = i.ledger_seq AND f.tenant_id = ?1
-               JOIN ledger l INDEXED BY ledger_identity ON l.tenant_id = ?1 AND l.request_id = f.request_id
-          WHERE i.tenant_id = ?1 AND i.key = ?2 AND l.order_id = ?2 AND l.by_key = 1)
-    GROUP BY resource_key, bucket, op ORDER BY resource_key, bucket, op LIMIT ?3";
+pub(super) const ORDER_ENTRIES: &str = rows::order_entries_sql!(
+    "(SELECT resource_key, bucket, op, qty, line_key, limit_key, request_id
+      FROM ledger INDEXED BY ledger_by_order WHERE tenant_id = ?1 AND order_id = ?2 AND by_key IS NULL
+      UNION ALL
+      SELECT l.resource_key, l.bucket, l.op, l.qty, l.line_key, l.limit_key, l.request_id
+      FROM idempotency i JOIN ledger f ON f.seq = i.ledger_seq AND f.tenant_id = ?1
+           JOIN ledger l INDEXED BY ledger_identity ON l.tenant_id = ?1 AND l.request_id = f.request_id
+      WHERE i.tenant_id = ?1 AND i.key = ?2 AND l.order_id = ?2 AND l.by_key = 1)",
+    "?3"
+);
 
 /// Writes one ledger entry with `statement`, [`INSERT_LEDGER`] prepared; `by_key`: found by its
 /// order id through the record of that key (migrations/sqlite/0022), not `ledger_by_order`.
