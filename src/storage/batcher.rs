@@ -78,15 +78,6 @@ pub(crate) trait SqlBackend: Send + Sync + 'static {
     /// The statement that opens a batch's transaction, when not a plain `BEGIN`: it may set
     /// what holds for the transaction alone, in the same round trip.
     const BEGIN: Option<&'static str> = None;
-
-    /// Switches the transaction to plans kept across executions (`true`), for jobs that declared
-    /// [`Queued::by_key`], or back to the batch's own planning (`false`). The batcher switches
-    /// only where the next job differs from the last, and back before the seal. Nothing by
-    /// default.
-    fn plans_by_key<'a>(conn: &'a mut Conn<Self>, on: bool) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        let _ = (conn, on);
-        Box::pin(std::future::ready(Ok(())))
-    }
 }
 
 /// Longest a batch attempt may take once it has its connection. A healthy batch takes
@@ -159,12 +150,6 @@ pub(crate) trait Queued<B: SqlBackend>: Send {
     }
     /// Decided by admission in the current run: it runs no statement of its own.
     fn admitted(&self) -> bool {
-        false
-    }
-
-    /// Every statement of the job looks rows up by key (its plan is right whatever the tables'
-    /// sizes), so it may run under plans kept across executions ([`SqlBackend::plans_by_key`]).
-    fn by_key(&self) -> bool {
         false
     }
 }
@@ -270,8 +255,6 @@ impl<B: SqlBackend, J: RunAlone<B>> Queued<B> for Decidable<B, J> {
 pub(crate) struct Pending<B: SqlBackend, T> {
     pub(crate) locks: LockSet,
     pub(crate) work: Work<B, T>,
-    /// See [`Queued::by_key`].
-    pub(crate) by_key: bool,
     /// The latest run's result; only a committed one is ever handed out.
     pub(crate) result: Option<Result<T, StorageError>>,
     pub(crate) reply: oneshot::Sender<Result<T, StorageError>>,
@@ -294,10 +277,6 @@ impl<B: SqlBackend, T: Send + 'static> Queued<B> for Pending<B, T> {
     fn answer(self: Box<Self>, batch: Result<(), StorageError>) {
         // The caller may have gone away (client disconnected); its effects stand.
         let _ = self.reply.send(committed(self.result, batch));
-    }
-
-    fn by_key(&self) -> bool {
-        self.by_key
     }
 }
 
@@ -484,14 +463,9 @@ async fn attempt<B: SqlBackend>(
         let _ = tx.rollback().await;
         return Err(why);
     }
-    let mut by_key = false;
     for job in batch.iter_mut() {
         if job.admitted() {
             continue;
-        }
-        if job.by_key() != by_key {
-            by_key = job.by_key();
-            B::plans_by_key(&mut tx, by_key).await.map_err(BatchFailure::of)?;
         }
         let mut savepoint = Connection::begin(&mut *tx).await.map_err(BatchFailure::of)?;
         let mark = held_events::mark();
@@ -508,9 +482,6 @@ async fn attempt<B: SqlBackend>(
                 return Err(BatchFailure::Retry(why));
             }
         }
-    }
-    if by_key {
-        B::plans_by_key(&mut tx, false).await.map_err(BatchFailure::of)?;
     }
     // Last before COMMIT, after every row lock the jobs took (see `events`).
     let sealed = B::seal(&mut tx).await.map_err(BatchFailure::of)?;

@@ -188,7 +188,7 @@ impl MyStorage {
 
     async fn submit<T: Send + 'static>(&self, locks: LockSet, work: Work<T>) -> Result<T, StorageError> {
         let (tx, rx) = oneshot::channel();
-        let job: Box<dyn Queued<My>> = Box::new(Pending { locks, work, by_key: false, result: None, reply: tx });
+        let job: Box<dyn Queued<My>> = Box::new(Pending { locks, work, result: None, reply: tx });
         self.queue()?.send(job).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }

@@ -62,38 +62,28 @@ impl SqlBackend for Pg {
         Box::pin(super::events::seal(conn))
     }
 
-    /// Every statement of a batch is planned for its arguments (the arrays' real lengths) and
-    /// the tables as they are now. PostgreSQL would otherwise settle on a generic plan after five
-    /// executions and keep it until the tables' statistics change (ANALYZE): a plan chosen while
-    /// a fresh database's tables were nearly empty joins the batch's arrays to `idempotency`,
-    /// `resources` and `reservations` by reading them whole, and goes on doing so, every batch,
-    /// as they grow (tests/api/query_plans.rs). Planning costs a batch far less than one such
-    /// read. Only the batch: the reads outside it are single-row lookups by primary key, whose
-    /// generic plans are right at any size and whose planning would double their cost (a sale
-    /// in redis mode read its key's outcome by such a lookup: 92 -> 196 us of PostgreSQL CPU per
-    /// sale with every connection planning each time; those reads are grouped now, on
-    /// connections of their own that plan each group, see `lookup_pool`).
+    /// Every join of a batch's statements (its arrays to `resources`, `idempotency`,
+    /// `reservations`, `resource_buckets`) is a nested loop that looks each row up by its primary
+    /// key, and the transaction allows no other plan: no hash or merge join, no sequential or
+    /// bitmap scan, nothing materialised or memoised. A batch's arrays are bounded (`max_batch`
+    /// jobs), its tables are not, so looking each row up by key is right at any size, while any
+    /// other plan reads a part of the table that grows with it. With the plan's shape fixed, it
+    /// no longer depends on the tables' statistics, so each statement is planned once per
+    /// connection and kept (`force_generic_plan`): planning the batch's statements for every
+    /// batch cost PostgreSQL 16-28 % of its CPU an order (docs/PERFORMANCE.md, twenty-third
+    /// session).
     ///
-    /// And every join of a batch is a nested loop: a batch's arrays are bounded (`max_batch`
-    /// jobs), its tables are not, so looking each row up by key is right at any size, while a
-    /// hash or merge join reads the whole table. The planner costs a page read as if from disk
-    /// and picks the whole read once the arrays pass some dozens of keys (on 10,000 resources
-    /// at ~60 distinct rows: 4.2 ms against 0.6 by key), as every `multi-line` batch did: its
-    /// orders cost PostgreSQL ~40 % less CPU without (docs/PERFORMANCE.md, tenth session).
-    /// A disabled join method is still taken where a statement has no other.
+    /// Before, each statement was planned for its arguments at every batch, and hash joins were
+    /// off: PostgreSQL's plans for the tables as they were when planned (a fresh database's,
+    /// nearly empty) joined the arrays to a table by reading it whole, and kept doing so as it
+    /// grew (tests/api/query_plans.rs). A statement with no plan but a disabled one still gets
+    /// that plan, at a cost the planner inflates; `jit = off` keeps such a cost from compiling
+    /// the statement to machine code at every execution.
     const BEGIN: Option<&'static str> = Some(
-        "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan; \
-         SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off",
+        "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL jit = off; \
+         SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; SET LOCAL enable_seqscan = off; \
+         SET LOCAL enable_bitmapscan = off; SET LOCAL enable_material = off; SET LOCAL enable_memoize = off",
     );
-
-    /// Jobs that declared `by_key` (a settlement record settled on its own: about nine
-    /// single-row statements) run under PostgreSQL's default plan caching: planning each of
-    /// their statements every time cost more than running it.
-    fn plans_by_key<'a>(conn: &'a mut PgConnection, on: bool) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        let statement =
-            if on { "SET LOCAL plan_cache_mode = auto" } else { "SET LOCAL plan_cache_mode = force_custom_plan" };
-        Box::pin(async move { sqlx::query(statement).execute(&mut *conn).await.map(|_| ()) })
-    }
 }
 
 /// Locks the declared resource rows in one global order and returns them as they are now (for

@@ -220,23 +220,8 @@ impl PgStorage {
     }
 
     async fn submit<T: Send + 'static>(&self, locks: LockSet, work: Work<T>) -> Result<T, StorageError> {
-        self.submit_job(locks, work, false).await
-    }
-
-    /// [`Self::submit`] for a write whose every statement looks rows up by key: it runs under
-    /// plans PostgreSQL keeps across executions (see `Pg::plans_by_key`).
-    async fn submit_by_key<T: Send + 'static>(&self, locks: LockSet, work: Work<T>) -> Result<T, StorageError> {
-        self.submit_job(locks, work, true).await
-    }
-
-    async fn submit_job<T: Send + 'static>(
-        &self,
-        locks: LockSet,
-        work: Work<T>,
-        by_key: bool,
-    ) -> Result<T, StorageError> {
         let (tx, rx) = oneshot::channel();
-        let job: Box<dyn Queued<Pg>> = Box::new(Pending { locks, work, by_key, result: None, reply: tx });
+        let job: Box<dyn Queued<Pg>> = Box::new(Pending { locks, work, result: None, reply: tx });
         self.queue()?.send(job).await.map_err(|_| StorageError::Unavailable("writer stopped".into()))?;
         rx.await.map_err(|_| StorageError::Unavailable("write was not committed".into()))?
     }
@@ -752,68 +737,5 @@ impl Storage for PgStorage {
         }
         self.lookup_pool.close().await;
         self.pool.close().await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    //! Against the PostgreSQL at `STOCKD_TEST_PG_URL`, on a database of the test's own.
-
-    use std::sync::Arc;
-    use std::time::Duration;
-
-    use super::{work, PgSettings, PgStorage};
-    use crate::bench::server::FreshDatabase;
-    use crate::bench::Backend;
-    use crate::config::BatchConfig;
-    use crate::storage::writer_limits;
-    use crate::storage::Storage;
-
-    /// Jobs that look rows up by key run under PostgreSQL's kept plans; every other job of the
-    /// same batch, before or after them, under the batch's planning of each statement (which
-    /// the batch's own statements need: `tests/api/query_plans.rs`).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn jobs_by_key_run_under_kept_plans_and_the_others_of_their_batch_do_not() {
-        let admin = std::env::var("STOCKD_TEST_PG_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_string());
-        let fresh = FreshDatabase::create(Backend::Postgres, &admin)
-            .await
-            .unwrap_or_else(|e| panic!("{admin} must answer for this test (STOCKD_TEST_PG_URL): {e:#}"));
-        let settings = PgSettings {
-            url: fresh.url.clone(),
-            max_connections: 4,
-            acquire_timeout: Duration::from_secs(10),
-            // A linger, so the jobs submitted together share batches.
-            writer: writer_limits(&BatchConfig { max_wait_us: 5_000, ..BatchConfig::default() }),
-            max_retries: 3,
-        };
-        let storage = Arc::new(PgStorage::open(&settings).await.expect("the storage opens"));
-        let mode = || {
-            work(|conn| {
-                Box::pin(async move {
-                    Ok(sqlx::query_scalar::<_, String>("SHOW plan_cache_mode").fetch_one(&mut *conn).await?)
-                })
-            })
-        };
-        let jobs = (0..40).map(|i| {
-            let storage = storage.clone();
-            let by_key = i % 3 != 0;
-            let job = mode();
-            async move {
-                let seen = if by_key {
-                    storage.submit_by_key(Vec::new(), job).await
-                } else {
-                    storage.submit(Vec::new(), job).await
-                };
-                (by_key, seen.expect("the job commits"))
-            }
-        });
-        let seen = futures::future::join_all(jobs).await;
-        storage.close().await;
-        fresh.drop_database().await;
-        for (by_key, mode) in seen {
-            let expected = if by_key { "auto" } else { "force_custom_plan" };
-            assert_eq!(mode, expected, "a job by key: {by_key}");
-        }
     }
 }

@@ -558,7 +558,9 @@ impl Port for PgPort<'_> {
     }
 
     /// Under READ COMMITTED this waits for a concurrent mover's commit and then re-checks
-    /// `state = 'held'` against the committed row, so exactly one move wins.
+    /// `state = 'held'` against the committed row, so exactly one move wins. The state is a
+    /// parameter, not a constant, so that a plan kept across executions never reads the
+    /// partial index of held reservations (`reservations_due`) instead of the primary key.
     async fn leave_held(
         &mut self,
         tenant: &str,
@@ -567,12 +569,13 @@ impl Port for PgPort<'_> {
         now_ms: i64,
     ) -> Result<bool, StorageError> {
         let moved = sqlx::query(
-            "UPDATE reservations SET state = $1, updated_at = $2 WHERE tenant_id = $3 AND id = $4 AND state = 'held'",
+            "UPDATE reservations SET state = $1, updated_at = $2 WHERE tenant_id = $3 AND id = $4 AND state = $5",
         )
         .bind(to.as_str())
         .bind(now_ms)
         .bind(tenant)
         .bind(id)
+        .bind(ReservationState::Held.as_str())
         .execute(&mut *self.conn)
         .await?
         .rows_affected();
@@ -860,7 +863,10 @@ impl Port for PgPort<'_> {
              moved AS (
                 UPDATE reservations r SET state = u.state, updated_at = u.at
                 FROM UNNEST($36::text[], $37::text[], $38::text[], $39::bigint[]) AS u (tenant_id, id, state, at)
-                WHERE r.tenant_id = u.tenant_id AND r.id = u.id AND r.state = 'held'
+                -- The state is a parameter ('held'), not a constant: the batch's plan is kept
+                -- (see the batcher's BEGIN), and a constant would let it read every held
+                -- reservation through their partial index instead of each by its key.
+                WHERE r.tenant_id = u.tenant_id AND r.id = u.id AND r.state = $53
                 RETURNING 1),
              answered AS (
                 INSERT INTO idempotency (tenant_id, key, request_hash, response_code, response_type, response_body,
@@ -917,6 +923,7 @@ impl Port for PgPort<'_> {
             .bind(col(b, |x| x.read_version))
             .bind(col(b, |x| x.at))
             .bind(col(l, |x| x.bucket))
+            .bind(ReservationState::Held.as_str())
             .fetch_one(&mut *self.conn)
             .await?;
         let count = |name: &str| -> Result<u64, StorageError> { Ok(counts.try_get::<i64, _>(name)?.max(0) as u64) };

@@ -3,8 +3,6 @@
 //! of several processes lock rows in one order, and it may run again if its batch is retried.
 //! A record delivered to two consumers (one presumed dead, its entry reclaimed) is applied once:
 //! each claims the record's request id in `redis_settled` first, and the second finds it taken.
-//! Its statements all look rows up by key, so it runs under plans kept across executions
-//! rather than the batch's planning of every statement (`submit_by_key`).
 
 use async_trait::async_trait;
 
@@ -23,7 +21,7 @@ impl RedisStore for PgStorage {
     async fn settle(&self, record: &SettleRecord, now_ms: i64) -> Result<Settled, StorageError> {
         let record = record.clone();
         let locks = vec![(record.t.clone(), record.k.clone())];
-        self.submit_by_key(
+        self.submit(
             locks,
             work(move |conn| {
                 let record = record.clone();
