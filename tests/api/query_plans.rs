@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use sqlx::{Connection, PgConnection};
 
-use crate::helpers::{deduct, reserve, spawn_app_on, AppOptions, Backend, TenantClient, TestApp};
+use crate::helpers::{deduct, reserve, spawn_app_on, unique, AppOptions, Backend, TenantClient, TestApp};
+use crate::redis_support::{create_redis_resource, deduct_one, shared_redis_url};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -260,30 +261,37 @@ async fn an_order_lookup_reads_its_own_entries_by_index_however_the_ledger_grew(
     );
 }
 
-/// Rows of `reservations` read by sequential scans plus fetched by index and bitmap scans, once
-/// `pg_stat_user_tables` counts `rows` inserted and `updates` updated (this connection reads
-/// the counters alone, never the table).
-async fn reservation_reads(app: &TestApp, rows: i64, updates: i64) -> i64 {
-    let mut conn = PgConnection::connect(app.database_url()).await.expect("PostgreSQL answers");
+/// Rows of `table` read by sequential scans plus fetched by index and bitmap scans, once
+/// `pg_stat_user_tables` counts at least `rows` inserted and `updates` updated (`conn` reads the
+/// counters alone, never the table).
+async fn reads_once_counted(conn: &mut PgConnection, table: &str, rows: i64, updates: i64) -> i64 {
     let deadline = tokio::time::Instant::now() + DEADLINE;
     loop {
         let (read, inserted, updated): (i64, i64, i64) = sqlx::query_as(
             "SELECT COALESCE(seq_tup_read, 0) + COALESCE(idx_tup_fetch, 0), n_tup_ins, n_tup_upd
-             FROM pg_stat_user_tables WHERE relname = 'reservations'",
+             FROM pg_stat_user_tables WHERE relname = $1",
         )
-        .fetch_one(&mut conn)
+        .bind(table)
+        .fetch_one(&mut *conn)
         .await
-        .expect("pg_stat_user_tables of reservations");
+        .unwrap_or_else(|e| panic!("pg_stat_user_tables of {table}: {e}"));
         if inserted >= rows && updated >= updates {
-            let _ = conn.close().await;
             return read;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "PostgreSQL's statistics never caught up: reservations {inserted}/{rows} inserts, {updated}/{updates} updates"
+            "PostgreSQL's statistics never caught up: {table} {inserted}/{rows} inserts, {updated}/{updates} updates"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Rows of `reservations` read, once `rows` are counted inserted and `updates` updated.
+async fn reservation_reads(app: &TestApp, rows: i64, updates: i64) -> i64 {
+    let mut conn = PgConnection::connect(app.database_url()).await.expect("PostgreSQL answers");
+    let read = reads_once_counted(&mut conn, "reservations", rows, updates).await;
+    let _ = conn.close().await;
+    read
 }
 
 /// `n` bursts of `BURST / 4` concurrent reservations, then their confirms, all at once: most of
@@ -347,6 +355,112 @@ async fn a_batch_of_confirms_moves_its_own_reservations_however_many_are_held() 
     assert!(
         after - before < GROWN,
         "48 reservations and their confirms read {} rows of reservations: a batch read the held ones",
+        after - before
+    );
+}
+
+/// The grouped lookup's text, as `pg_stat_activity` shows a connection's last statement.
+const LOOKUP_TEXT: &str = "WITH ORDINALITY AS k (tenant_id, key, n)";
+
+/// Rows of `idempotency` read, once `rows` are counted inserted. With `end_lookups`, first
+/// ends the server's lookup connections: they insert nothing, and a backend that is not idle
+/// for long reports its counters only when it ends, before it leaves `pg_stat_activity`.
+async fn record_reads(app: &TestApp, rows: i64, end_lookups: bool) -> i64 {
+    let mut conn = PgConnection::connect(app.database_url()).await.expect("PostgreSQL answers");
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    if end_lookups {
+        let lookups = format!("%{LOOKUP_TEXT}%");
+        let ended: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE $1",
+        )
+        .bind(&lookups)
+        .fetch_all(&mut conn)
+        .await
+        .expect("ending the lookup connections");
+        assert!(!ended.is_empty(), "no connection of the server ran the grouped lookup");
+        loop {
+            let left: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE $1",
+            )
+            .bind(&lookups)
+            .fetch_one(&mut conn)
+            .await
+            .expect("the lookup connections left");
+            if left == 0 {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{left} lookup connections never ended");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let read = reads_once_counted(&mut conn, "idempotency", rows, 0).await;
+    let _ = conn.close().await;
+    read
+}
+
+/// `n` bursts of `BURST` concurrent sales of `sku-1`, each under a key of its own. Returns how
+/// many were sold.
+async fn sale_bursts(shop: &TenantClient, tag: &str, n: usize) -> i64 {
+    for burst in 0..n {
+        let sales = (0..BURST).map(|i| {
+            let shop = shop.clone();
+            let (key, order) = (format!("{tag}-{burst}-{i}"), format!("{tag}-S{burst}-{i}"));
+            tokio::spawn(async move { shop.order(&key, &deduct_one(&order, "sku-1", 1, None)).await })
+        });
+        for reply in futures::future::join_all(sales).await {
+            let reply = reply.expect("a client task does not panic");
+            assert_eq!(reply.status(), 201, "{}", reply.text);
+        }
+    }
+    (n * BURST) as i64
+}
+
+/// A sale in redis mode first reads its key's stored outcome in the database, in groups of the
+/// sales waiting together, on connections of their own that keep the group statement's plan
+/// (`lookup_pool`). Made on a nearly empty `idempotency`, that plan must still look each key up
+/// by the primary key once the table has grown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grouped_lookups_of_redis_sales_read_their_own_keys_however_the_records_grew() {
+    let opts = AppOptions::default()
+        .env("STOCKD_REDIS_PREFIX", &unique("t"))
+        .env("STOCKD_REDIS_URL", &shared_redis_url())
+        .toml("[redis]\nclaim_idle_ms = 500\ndrain_timeout_ms = 20000");
+    let app = spawn_app_on(Backend::Postgres, opts).await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 1_000_000).await;
+    let mut sold = sale_bursts(&shop, "early", 3).await;
+
+    // Records of the shop copied under new keys, once settlement has stored the early sales'.
+    let mut conn = PgConnection::connect(app.database_url()).await.expect("PostgreSQL answers");
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let stored: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency WHERE tenant_id = 'shop'")
+            .fetch_one(&mut conn)
+            .await
+            .expect("counting the shop's records");
+        if stored >= sold {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "settlement stored {stored} of {sold} sales' records");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let sql = format!(
+        "INSERT INTO idempotency SELECT (jsonb_populate_record(NULL::idempotency,
+             to_jsonb(i) || jsonb_build_object('key', 'grown-' || g))).*
+         FROM (SELECT * FROM idempotency WHERE tenant_id = 'shop' LIMIT 1) i, generate_series(1, {GROWN}) g"
+    );
+    sqlx::query(&sql).execute(&mut conn).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    conn.close().await.expect("the test's connection closes");
+
+    let before = record_reads(&app, sold + GROWN, false).await;
+    sold += sale_bursts(&shop, "late", 3).await;
+    let after = record_reads(&app, sold + GROWN, true).await;
+    assert!(
+        after - before < GROWN,
+        "{} sales read {} rows of idempotency: a group's lookup read the grown table",
+        3 * BURST,
         after - before
     );
 }

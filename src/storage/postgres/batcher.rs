@@ -12,6 +12,45 @@ use crate::engine::Reservation;
 use crate::storage::batcher::SqlBackend;
 use crate::storage::{OrderExecution, OrderJob, StorageError, Transition};
 
+/// The settings of a session or transaction whose statements join arrays of keys to tables,
+/// written once for both forms: `SET LOCAL`s after a `BEGIN`, and a connection's startup
+/// options.
+macro_rules! by_key_plans {
+    ($($name:literal = $value:literal),* $(,)?) => {
+        /// Every join of a batch's statements (its arrays to `resources`, `idempotency`,
+        /// `reservations`, `resource_buckets`) is a nested loop that looks each row up by its primary
+        /// key, and the transaction allows no other plan: no hash or merge join, no sequential or
+        /// bitmap scan, nothing materialised or memoised. A batch's arrays are bounded (`max_batch`
+        /// jobs), its tables are not, so looking each row up by key is right at any size, while any
+        /// other plan reads a part of the table that grows with it. With the plan's shape fixed, it
+        /// no longer depends on the tables' statistics, so each statement is planned once per
+        /// connection and kept (`force_generic_plan`): planning the batch's statements for every
+        /// batch cost PostgreSQL 16-28 % of its CPU an order (docs/PERFORMANCE.md, twenty-third
+        /// session).
+        ///
+        /// Before, each statement was planned for its arguments at every batch, and hash joins were
+        /// off: PostgreSQL's plans for the tables as they were when planned (a fresh database's,
+        /// nearly empty) joined the arrays to a table by reading it whole, and kept doing so as it
+        /// grew (tests/api/query_plans.rs). A statement with no plan but a disabled one still gets
+        /// that plan, at a cost the planner inflates; `jit = off` keeps such a cost from compiling
+        /// the statement to machine code at every execution.
+        const BY_KEY_PLANS_BEGIN: &str = concat!("BEGIN" $(, "; SET LOCAL ", $name, " = ", $value)*);
+        /// The same, set for a whole session: the grouped lookups' connections (`lookup_pool`).
+        pub(super) const BY_KEY_PLANS_OPTIONS: &[(&str, &str)] = &[$(($name, $value)),*];
+    };
+}
+
+by_key_plans!(
+    "plan_cache_mode" = "force_generic_plan",
+    "jit" = "off",
+    "enable_hashjoin" = "off",
+    "enable_mergejoin" = "off",
+    "enable_seqscan" = "off",
+    "enable_bitmapscan" = "off",
+    "enable_material" = "off",
+    "enable_memoize" = "off",
+);
+
 /// PostgreSQL as the batcher's backend.
 pub(crate) struct Pg;
 
@@ -62,28 +101,8 @@ impl SqlBackend for Pg {
         Box::pin(super::events::seal(conn))
     }
 
-    /// Every join of a batch's statements (its arrays to `resources`, `idempotency`,
-    /// `reservations`, `resource_buckets`) is a nested loop that looks each row up by its primary
-    /// key, and the transaction allows no other plan: no hash or merge join, no sequential or
-    /// bitmap scan, nothing materialised or memoised. A batch's arrays are bounded (`max_batch`
-    /// jobs), its tables are not, so looking each row up by key is right at any size, while any
-    /// other plan reads a part of the table that grows with it. With the plan's shape fixed, it
-    /// no longer depends on the tables' statistics, so each statement is planned once per
-    /// connection and kept (`force_generic_plan`): planning the batch's statements for every
-    /// batch cost PostgreSQL 16-28 % of its CPU an order (docs/PERFORMANCE.md, twenty-third
-    /// session).
-    ///
-    /// Before, each statement was planned for its arguments at every batch, and hash joins were
-    /// off: PostgreSQL's plans for the tables as they were when planned (a fresh database's,
-    /// nearly empty) joined the arrays to a table by reading it whole, and kept doing so as it
-    /// grew (tests/api/query_plans.rs). A statement with no plan but a disabled one still gets
-    /// that plan, at a cost the planner inflates; `jit = off` keeps such a cost from compiling
-    /// the statement to machine code at every execution.
-    const BEGIN: Option<&'static str> = Some(
-        "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL jit = off; \
-         SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; SET LOCAL enable_seqscan = off; \
-         SET LOCAL enable_bitmapscan = off; SET LOCAL enable_material = off; SET LOCAL enable_memoize = off",
-    );
+    /// See [`BY_KEY_PLANS_BEGIN`].
+    const BEGIN: Option<&'static str> = Some(BY_KEY_PLANS_BEGIN);
 }
 
 /// Locks the declared resource rows in one global order and returns them as they are now (for

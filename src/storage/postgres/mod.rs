@@ -154,11 +154,12 @@ async fn connect(settings: &PgSettings) -> Result<PgPool, StorageError> {
 }
 
 /// The connections of the grouped lookups ([`read_stored_outcomes`]), one per reader, opened
-/// when first needed. Their statements are prepared once and planned at each execution for the
-/// keys and the tables as they are then: a plan kept from a nearly empty database would scan
-/// the whole idempotency table once it has grown (see `SqlBackend::BEGIN`).
+/// when first needed. Their one statement joins an array of keys to `idempotency`, as a batch's
+/// do, so it runs under the batch's settings, for the whole session: one plan, each key looked
+/// up by the primary key, made once per connection and right at any table size
+/// ([`batcher::BY_KEY_PLANS_OPTIONS`]).
 fn lookup_pool(settings: &PgSettings) -> Result<PgPool, StorageError> {
-    let options = connect_options(settings)?.options([("plan_cache_mode", "force_custom_plan")]);
+    let options = connect_options(settings)?.options(batcher::BY_KEY_PLANS_OPTIONS.iter().copied());
     Ok(PgPoolOptions::new()
         .max_connections(LOOKUP_READERS as u32)
         .acquire_timeout(settings.acquire_timeout)
