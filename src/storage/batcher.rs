@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use rand::Rng;
+use sqlx::pool::PoolConnection;
 use sqlx::{Connection, Database, Pool};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -322,6 +323,12 @@ impl BatchFailure {
 }
 
 /// The batcher: one task per process, ending when every sender is gone and the queue is empty.
+///
+/// While jobs are waiting when a batch ends, the next batch runs on the same connection: a pool
+/// tests a connection with a round trip when it lends it and again when it is given back, two
+/// round trips a batch, one of them before the batch's first statement. Once the queue is
+/// empty the connection goes back to the pool, which keeps it alive and within its lifetime;
+/// and always, if the pool has only that one connection for everything else too.
 pub(crate) async fn run_batcher<B: SqlBackend>(
     pool: Pool<B::Db>,
     mut rx: mpsc::Receiver<Box<dyn Queued<B>>>,
@@ -330,12 +337,18 @@ pub(crate) async fn run_batcher<B: SqlBackend>(
 ) {
     let max_batch = limits.max_batch.max(1);
     let mut batch: Vec<Box<dyn Queued<B>>> = Vec::with_capacity(max_batch);
-    while let Some(first) = rx.recv().await {
+    let mut kept: Option<PoolConnection<B::Db>> = None;
+    let keep = pool.options().get_max_connections() > 1;
+    loop {
+        if !keep || rx.is_empty() {
+            kept = None;
+        }
+        let Some(first) = rx.recv().await else { break };
         batch.push(first);
         fill(&mut rx, &mut batch, max_batch, limits.max_wait).await;
         metrics::histogram!("stockd_batch_size").record(batch.len() as f64);
         let started = Instant::now();
-        commit_batch(&pool, &mut batch, max_retries).await;
+        commit_batch(&pool, &mut kept, &mut batch, max_retries).await;
         metrics::histogram!("stockd_batch_commit_seconds").record(started.elapsed().as_secs_f64());
     }
 }
@@ -362,12 +375,17 @@ async fn fill<B: SqlBackend>(
 }
 
 /// Runs the batch until it commits or may not be retried any more, then answers every job.
-async fn commit_batch<B: SqlBackend>(pool: &Pool<B::Db>, batch: &mut Vec<Box<dyn Queued<B>>>, max_retries: u32) {
+async fn commit_batch<B: SqlBackend>(
+    pool: &Pool<B::Db>,
+    kept: &mut Option<PoolConnection<B::Db>>,
+    batch: &mut Vec<Box<dyn Queued<B>>>,
+    max_retries: u32,
+) {
     let rows = declared_rows(batch);
     let mut attempt = 0;
     let mut admission = true;
     let outcome = loop {
-        match run_batch(pool, batch, &rows, admission).await {
+        match run_batch(pool, kept, batch, &rows, admission).await {
             Ok(()) => {
                 crate::events::committed();
                 break Ok(());
@@ -416,22 +434,35 @@ fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(rand::rng().random_range(ceiling / 2..=ceiling))
 }
 
-/// One attempt on one pooled connection, bounded by [`ATTEMPT_DEADLINE`].
+/// One attempt on one pooled connection, bounded by [`ATTEMPT_DEADLINE`]: the connection in
+/// `kept` if there is one, and it stays there if the attempt commits. After any failure it goes
+/// back to the pool (which tests it, and rolls back what is left open) or is closed, and the
+/// next attempt takes one from the pool: a kept connection the database ended while the
+/// batcher was between batches fails the attempt as passing, and the batch runs again.
 async fn run_batch<B: SqlBackend>(
     pool: &Pool<B::Db>,
+    kept: &mut Option<PoolConnection<B::Db>>,
     batch: &mut [Box<dyn Queued<B>>],
     rows: &[(String, String)],
     admission: bool,
 ) -> Result<(), BatchFailure> {
-    // No retry when no connection comes within `acquire_timeout`: the pool has already waited
-    // (and retried connecting) that long, and callers should hear `Unavailable` promptly.
-    let mut conn = pool
-        .acquire()
-        .await
-        .map_err(|e| BatchFailure::Final(StorageError::Unavailable(format!("no database connection: {e}"))))?;
+    let mut conn = match kept.take() {
+        Some(conn) => conn,
+        // No retry when no connection comes within `acquire_timeout`: the pool has already
+        // waited (and retried connecting) that long, and callers should hear `Unavailable`
+        // promptly.
+        None => pool
+            .acquire()
+            .await
+            .map_err(|e| BatchFailure::Final(StorageError::Unavailable(format!("no database connection: {e}"))))?,
+    };
     let attempt = held_events::scope(attempt::<B>(&mut conn, batch, rows, admission));
     match tokio::time::timeout(ATTEMPT_DEADLINE, attempt).await {
-        Ok(result) => result,
+        Ok(Ok(())) => {
+            *kept = Some(conn);
+            Ok(())
+        }
+        Ok(Err(failure)) => Err(failure),
         Err(_) => {
             // The connection stopped answering mid-statement. It must never serve anyone else,
             // so it is closed here rather than returned to the pool.

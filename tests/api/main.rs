@@ -15,6 +15,7 @@ mod concurrency;
 mod config_tenants;
 mod console;
 mod crash;
+mod ended_sessions;
 mod events;
 mod helpers;
 mod idempotency;

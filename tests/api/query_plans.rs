@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use sqlx::{Connection, PgConnection};
 
-use crate::helpers::{deduct, reserve, spawn_app_on, unique, AppOptions, Backend, TenantClient, TestApp};
-use crate::redis_support::{create_redis_resource, deduct_one, shared_redis_url};
+use crate::ended_sessions::{end_sessions, LOOKUPS};
+use crate::helpers::{deduct, reserve, spawn_app_on, AppOptions, Backend, TenantClient, TestApp};
+use crate::redis_support::{create_redis_resource, deduct_one, redis_app_on};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -359,42 +360,15 @@ async fn a_batch_of_confirms_moves_its_own_reservations_however_many_are_held() 
     );
 }
 
-/// The grouped lookup's text, as `pg_stat_activity` shows a connection's last statement.
-const LOOKUP_TEXT: &str = "WITH ORDINALITY AS k (tenant_id, key, n)";
-
 /// Rows of `idempotency` read, once `rows` are counted inserted. With `end_lookups`, first
 /// ends the server's lookup connections: they insert nothing, and a backend that is not idle
 /// for long reports its counters only when it ends, before it leaves `pg_stat_activity`.
 async fn record_reads(app: &TestApp, rows: i64, end_lookups: bool) -> i64 {
-    let mut conn = PgConnection::connect(app.database_url()).await.expect("PostgreSQL answers");
-    let deadline = tokio::time::Instant::now() + DEADLINE;
     if end_lookups {
-        let lookups = format!("%{LOOKUP_TEXT}%");
-        let ended: Vec<bool> = sqlx::query_scalar(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE $1",
-        )
-        .bind(&lookups)
-        .fetch_all(&mut conn)
-        .await
-        .expect("ending the lookup connections");
-        assert!(!ended.is_empty(), "no connection of the server ran the grouped lookup");
-        loop {
-            let left: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM pg_stat_activity
-                 WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE $1",
-            )
-            .bind(&lookups)
-            .fetch_one(&mut conn)
-            .await
-            .expect("the lookup connections left");
-            if left == 0 {
-                break;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "{left} lookup connections never ended");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let ended = end_sessions(app, LOOKUPS).await;
+        assert!(ended > 0, "no connection of the server ran the grouped lookup");
     }
+    let mut conn = PgConnection::connect(app.database_url()).await.expect("PostgreSQL answers");
     let read = reads_once_counted(&mut conn, "idempotency", rows, 0).await;
     let _ = conn.close().await;
     read
@@ -419,15 +393,11 @@ async fn sale_bursts(shop: &TenantClient, tag: &str, n: usize) -> i64 {
 
 /// A sale in redis mode first reads its key's stored outcome in the database, in groups of the
 /// sales waiting together, on connections of their own that keep the group statement's plan
-/// (`lookup_pool`). Made on a nearly empty `idempotency`, that plan must still look each key up
+/// (`LookupConnections`). Made on a nearly empty `idempotency`, that plan must still look each key up
 /// by the primary key once the table has grown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grouped_lookups_of_redis_sales_read_their_own_keys_however_the_records_grew() {
-    let opts = AppOptions::default()
-        .env("STOCKD_REDIS_PREFIX", &unique("t"))
-        .env("STOCKD_REDIS_URL", &shared_redis_url())
-        .toml("[redis]\nclaim_idle_ms = 500\ndrain_timeout_ms = 20000");
-    let app = spawn_app_on(Backend::Postgres, opts).await;
+    let app = redis_app_on(Backend::Postgres).await;
     let shop = app.create_tenant("shop").await;
     create_redis_resource(&shop, "sku-1", 1_000_000).await;
     let mut sold = sale_bursts(&shop, "early", 3).await;

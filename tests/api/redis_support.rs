@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use tempfile::TempDir;
 use tokio::process::{Child, Command};
 
-use crate::helpers::{spawn_app_with, unique, AppOptions, Backend, Reply, TenantClient, TestApp};
+use crate::helpers::{spawn_app_on, spawn_app_with, unique, AppOptions, Backend, Reply, TenantClient, TestApp};
 
 /// How long a private Redis may take to answer PING after it starts.
 const REDIS_START_DEADLINE: Duration = Duration::from_secs(20);
@@ -33,6 +33,16 @@ pub async fn redis_app(redis_url: &str, extra_toml: &str) -> (TestApp, String) {
         opts = opts.env("STOCKD_REDIS_URL", redis_url);
     }
     (spawn_app_with(opts).await, prefix)
+}
+
+/// A server on `backend`, whatever the suite's, with redis mode on the shared Redis under a key
+/// prefix no other test uses.
+pub async fn redis_app_on(backend: Backend) -> TestApp {
+    let opts = AppOptions::default()
+        .env("STOCKD_REDIS_PREFIX", &unique("t"))
+        .env("STOCKD_REDIS_URL", &shared_redis_url())
+        .toml("[redis]\nclaim_idle_ms = 500\ndrain_timeout_ms = 20000");
+    spawn_app_on(backend, opts).await
 }
 
 /// An async connection to a Redis, for looking past the API.

@@ -35,7 +35,7 @@ macro_rules! by_key_plans {
         /// that plan, at a cost the planner inflates; `jit = off` keeps such a cost from compiling
         /// the statement to machine code at every execution.
         const BY_KEY_PLANS_BEGIN: &str = concat!("BEGIN" $(, "; SET LOCAL ", $name, " = ", $value)*);
-        /// The same, set for a whole session: the grouped lookups' connections (`lookup_pool`).
+        /// The same, set for a whole session: the grouped lookups' connections (`LookupConnections`).
         pub(super) const BY_KEY_PLANS_OPTIONS: &[(&str, &str)] = &[$(($name, $value)),*];
     };
 }

@@ -65,7 +65,7 @@ use crate::events::{Event, EventType};
 use crate::ratelimit::RateLimit;
 use crate::storage::lookups::{Found, Lookups, ReadGroup};
 
-/// How many groups of stored outcomes are read at once (each holds a pooled connection).
+/// How many groups of stored outcomes are read at once (each on a connection of its own).
 const LOOKUP_READERS: usize = 2;
 
 /// The stored outcomes of a group of `(tenant, key)` pairs, `n` the pair's place (from 1).
@@ -80,17 +80,29 @@ const STORED_OUTCOMES_SQL: &str = concat!(
 /// A row of [`STORED_OUTCOMES_SQL`]: the pair's place, then the record's columns.
 type OutcomeRow = (i64, String, i32, String, Option<String>, Option<String>);
 
-/// Reads a group of stored outcomes ([`super::lookups`]) in one statement, on the connections
-/// of [`lookup_pool`].
-fn read_stored_outcomes(pool: PgPool) -> ReadGroup {
+/// Reads a group of stored outcomes ([`super::lookups`]) in one statement, on a connection of
+/// [`LookupConnections`]. A kept connection that fails (the database ended the session while
+/// it was idle: a restart, a failover, an operator) is dropped and the group read once more on
+/// a new one: the statement only reads, and the client should not hear of it.
+fn read_stored_outcomes(connections: Arc<LookupConnections>) -> ReadGroup {
     Arc::new(move |keys: Vec<(String, String)>| {
-        let pool = pool.clone();
+        let connections = connections.clone();
         Box::pin(async move {
             let n = keys.len();
             let (tenants, keys): (Vec<String>, Vec<String>) = keys.into_iter().unzip();
-            let mut conn = acquire(&pool).await?;
-            let rows: Vec<OutcomeRow> =
-                sqlx::query_as(STORED_OUTCOMES_SQL).bind(tenants).bind(keys).fetch_all(&mut *conn).await?;
+            let rows: Vec<OutcomeRow> = loop {
+                let (mut conn, kept) = connections.take().await?;
+                match sqlx::query_as(STORED_OUTCOMES_SQL).bind(&tenants).bind(&keys).fetch_all(&mut conn).await {
+                    Ok(rows) => {
+                        connections.keep(conn);
+                        break rows;
+                    }
+                    Err(err) if kept => {
+                        tracing::debug!(error = %err, "a kept lookup connection failed; reading on a new one");
+                    }
+                    Err(err) => return Err(err.into()),
+                }
+            };
             let mut found: Vec<Found> = (0..n).map(|_| Ok(None)).collect();
             for (at, hash, code, kind, body, event) in rows {
                 let slot = usize::try_from(at - 1).ok().and_then(|i| found.get_mut(i));
@@ -129,7 +141,7 @@ pub struct PgStorage {
     batcher: Mutex<Option<JoinHandle<()>>>,
     /// Stored outcomes read in groups ([`super::lookups`]), on connections of their own.
     lookups: Lookups,
-    lookup_pool: PgPool,
+    lookup_connections: Arc<LookupConnections>,
 }
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
@@ -153,17 +165,60 @@ async fn connect(settings: &PgSettings) -> Result<PgPool, StorageError> {
         .await?)
 }
 
-/// The connections of the grouped lookups ([`read_stored_outcomes`]), one per reader, opened
-/// when first needed. Their one statement joins an array of keys to `idempotency`, as a batch's
-/// do, so it runs under the batch's settings, for the whole session: one plan, each key looked
-/// up by the primary key, made once per connection and right at any table size
+/// The connections of the grouped lookups ([`read_stored_outcomes`]), at most one per reader,
+/// opened when first needed and kept between groups. A pool would test each connection with a
+/// round trip when lent and again when given back: two round trips for every group, which cost
+/// the server more CPU than the group's statement under a redis-mode sale (docs/PERFORMANCE.md,
+/// twenty-fourth session).
+///
+/// Their one statement joins an array of keys to `idempotency`, as a batch's do, so it runs
+/// under the batch's settings, for the whole session: one plan, each key looked up by the
+/// primary key, made once per connection and right at any table size
 /// ([`batcher::BY_KEY_PLANS_OPTIONS`]).
-fn lookup_pool(settings: &PgSettings) -> Result<PgPool, StorageError> {
-    let options = connect_options(settings)?.options(batcher::BY_KEY_PLANS_OPTIONS.iter().copied());
-    Ok(PgPoolOptions::new()
-        .max_connections(LOOKUP_READERS as u32)
-        .acquire_timeout(settings.acquire_timeout)
-        .connect_lazy_with(options))
+pub(super) struct LookupConnections {
+    options: PgConnectOptions,
+    connect_timeout: Duration,
+    /// Connections not in use. Readers take one (or open one) for a group and put it back.
+    spare: Mutex<Vec<sqlx::PgConnection>>,
+}
+
+impl LookupConnections {
+    fn new(settings: &PgSettings) -> Result<Self, StorageError> {
+        Ok(Self {
+            options: connect_options(settings)?.options(batcher::BY_KEY_PLANS_OPTIONS.iter().copied()),
+            connect_timeout: settings.acquire_timeout,
+            spare: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A kept connection (`true`), or a new one; `Unavailable` if none opens within
+    /// `acquire_timeout`.
+    async fn take(&self) -> Result<(sqlx::PgConnection, bool), StorageError> {
+        if let Some(conn) = self.spare.lock().ok().and_then(|mut spare| spare.pop()) {
+            return Ok((conn, true));
+        }
+        match tokio::time::timeout(self.connect_timeout, self.options.connect()).await {
+            Ok(Ok(conn)) => Ok((conn, false)),
+            Ok(Err(err)) => Err(StorageError::Unavailable(format!("no database connection: {err}"))),
+            Err(_) => {
+                Err(StorageError::Unavailable(format!("no database connection within {:?}", self.connect_timeout)))
+            }
+        }
+    }
+
+    fn keep(&self, conn: sqlx::PgConnection) {
+        if let Ok(mut spare) = self.spare.lock() {
+            spare.push(conn);
+        }
+    }
+
+    /// Ends the kept connections (one a reader is using ends with the process).
+    async fn close(&self) {
+        let spare = self.spare.lock().map(|mut spare| std::mem::take(&mut *spare)).unwrap_or_default();
+        for conn in spare {
+            let _ = conn.close().await;
+        }
+    }
 }
 
 /// A pooled connection, or `Unavailable` if none comes within `acquire_timeout`. Any failure
@@ -188,9 +243,9 @@ impl PgStorage {
         run_migrations(&pool).await?;
         let (tx, rx) = mpsc::channel(settings.writer.queue_depth.max(1));
         let batcher = tokio::spawn(run_batcher(pool.clone(), rx, settings.writer, settings.max_retries));
-        let lookup_pool = lookup_pool(settings)?;
-        let lookups = Lookups::start(LOOKUP_READERS, read_stored_outcomes(lookup_pool.clone()));
-        Ok(Self { pool, queue: Mutex::new(Some(tx)), batcher: Mutex::new(Some(batcher)), lookups, lookup_pool })
+        let lookup_connections = Arc::new(LookupConnections::new(settings)?);
+        let lookups = Lookups::start(LOOKUP_READERS, read_stored_outcomes(lookup_connections.clone()));
+        Ok(Self { pool, queue: Mutex::new(Some(tx)), batcher: Mutex::new(Some(batcher)), lookups, lookup_connections })
     }
 
     /// Applies migrations and returns, for `stockd migrate`.
@@ -736,7 +791,7 @@ impl Storage for PgStorage {
                 tracing::error!(error = %err, "the batcher task failed");
             }
         }
-        self.lookup_pool.close().await;
+        self.lookup_connections.close().await;
         self.pool.close().await;
     }
 }
