@@ -79,6 +79,10 @@ pub(crate) trait SqlBackend: Send + Sync + 'static {
     /// The statement that opens a batch's transaction, when not a plain `BEGIN`: it may set
     /// what holds for the transaction alone, in the same round trip.
     const BEGIN: Option<&'static str> = None;
+
+    /// Whether the batcher keeps its connection from one batch to the next while jobs are
+    /// waiting (see [`run_batcher`]), rather than giving it back to the pool after each.
+    const KEEP_CONNECTION: bool = false;
 }
 
 /// Longest a batch attempt may take once it has its connection. A healthy batch takes
@@ -324,11 +328,12 @@ impl BatchFailure {
 
 /// The batcher: one task per process, ending when every sender is gone and the queue is empty.
 ///
-/// While jobs are waiting when a batch ends, the next batch runs on the same connection: a pool
-/// tests a connection with a round trip when it lends it and again when it is given back, two
-/// round trips a batch, one of them before the batch's first statement. Once the queue is
-/// empty the connection goes back to the pool, which keeps it alive and within its lifetime;
-/// and always, if the pool has only that one connection for everything else too.
+/// With [`SqlBackend::KEEP_CONNECTION`], while jobs are waiting when a batch ends, the next
+/// batch runs on the same connection: a pool tests a connection with a round trip when it lends
+/// it and again when it is given back, two round trips a batch, one of them before the batch's
+/// first statement. Once the queue is empty the connection goes back to the pool, which keeps
+/// it alive and within its lifetime; and always, if the pool has only that one connection for
+/// everything else too.
 pub(crate) async fn run_batcher<B: SqlBackend>(
     pool: Pool<B::Db>,
     mut rx: mpsc::Receiver<Box<dyn Queued<B>>>,
@@ -435,10 +440,11 @@ fn backoff(attempt: u32) -> Duration {
 }
 
 /// One attempt on one pooled connection, bounded by [`ATTEMPT_DEADLINE`]: the connection in
-/// `kept` if there is one, and it stays there if the attempt commits. After any failure it goes
-/// back to the pool (which tests it, and rolls back what is left open) or is closed, and the
-/// next attempt takes one from the pool: a kept connection the database ended while the
-/// batcher was between batches fails the attempt as passing, and the batch runs again.
+/// `kept` if there is one, and it stays there if the attempt commits (with
+/// [`SqlBackend::KEEP_CONNECTION`]). After any failure it goes back to the pool (which tests
+/// it, and rolls back what is left open) or is closed, and the next attempt takes one from the
+/// pool: a kept connection the database ended while the batcher was between batches fails the
+/// attempt as passing, and the batch runs again.
 async fn run_batch<B: SqlBackend>(
     pool: &Pool<B::Db>,
     kept: &mut Option<PoolConnection<B::Db>>,
@@ -459,7 +465,9 @@ async fn run_batch<B: SqlBackend>(
     let attempt = held_events::scope(attempt::<B>(&mut conn, batch, rows, admission));
     match tokio::time::timeout(ATTEMPT_DEADLINE, attempt).await {
         Ok(Ok(())) => {
-            *kept = Some(conn);
+            if B::KEEP_CONNECTION {
+                *kept = Some(conn);
+            }
             Ok(())
         }
         Ok(Err(failure)) => Err(failure),

@@ -61,6 +61,11 @@ impl SqlBackend for My {
     fn seal<'a>(conn: &'a mut MySqlConnection) -> BoxFuture<'a, Result<Vec<String>, sqlx::Error>> {
         Box::pin(super::events::seal(conn))
     }
+
+    /// Not kept: on MariaDB a kept connection measured no gain under `hot-key` (1.05x) and a
+    /// loss under `uniform` (0.86-0.88x in two A/Bs; docs/PERFORMANCE.md, twenty-fourth
+    /// session), so each batch takes its connection from the pool as before.
+    const KEEP_CONNECTION: bool = false;
 }
 
 /// Locks the declared resource rows in one global order and returns them as they are now (for
