@@ -343,7 +343,7 @@ pub(crate) async fn run_batcher<B: SqlBackend>(
     let max_batch = limits.max_batch.max(1);
     let mut batch: Vec<Box<dyn Queued<B>>> = Vec::with_capacity(max_batch);
     let mut kept: Option<PoolConnection<B::Db>> = None;
-    let keep = pool.options().get_max_connections() > 1;
+    let keep = B::KEEP_CONNECTION && pool.options().get_max_connections() > 1;
     loop {
         if !keep || rx.is_empty() {
             kept = None;
@@ -440,8 +440,8 @@ fn backoff(attempt: u32) -> Duration {
 }
 
 /// One attempt on one pooled connection, bounded by [`ATTEMPT_DEADLINE`]: the connection in
-/// `kept` if there is one, and it stays there if the attempt commits (with
-/// [`SqlBackend::KEEP_CONNECTION`]). After any failure it goes back to the pool (which tests
+/// `kept` if there is one, and it stays there if the attempt commits ([`run_batcher`] decides
+/// whether it is kept for the next batch). After any failure it goes back to the pool (which tests
 /// it, and rolls back what is left open) or is closed, and the next attempt takes one from the
 /// pool: a kept connection the database ended while the batcher was between batches fails the
 /// attempt as passing, and the batch runs again.
@@ -465,9 +465,7 @@ async fn run_batch<B: SqlBackend>(
     let attempt = held_events::scope(attempt::<B>(&mut conn, batch, rows, admission));
     match tokio::time::timeout(ATTEMPT_DEADLINE, attempt).await {
         Ok(Ok(())) => {
-            if B::KEEP_CONNECTION {
-                *kept = Some(conn);
-            }
+            *kept = Some(conn);
             Ok(())
         }
         Ok(Err(failure)) => Err(failure),

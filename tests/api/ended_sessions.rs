@@ -71,7 +71,7 @@ async fn redis_sales_after_the_database_ended_the_lookup_sessions_are_answered()
 }
 
 /// Orders from many clients while the database ends every session of the server, again and
-/// again: an order is applied or answered 503 (never another error) while sessions are being
+/// again (each time once it has connected again): an order is applied or answered 503 (never another error) while sessions are being
 /// ended, and every order begun after the last of them is gone is applied (the batcher's kept
 /// connection, ended between two batches, costs a rerun of the batch, not its orders). Once
 /// every 503 is retried under its key, the resource has lost exactly one unit an order and its
@@ -94,7 +94,23 @@ async fn orders_while_the_database_ends_the_servers_sessions_are_applied_once() 
             let mut conn = PgConnection::connect(&url).await.expect("PostgreSQL answers");
             let mut ended: Vec<i32> = Vec::new();
             for _ in 0..ENDINGS {
-                tokio::time::sleep(Duration::from_millis(60)).await;
+                // Each time once the server has a session again (it reconnected under load).
+                let deadline = tokio::time::Instant::now() + DEADLINE;
+                loop {
+                    let live: i64 = sqlx::query_scalar(
+                        "SELECT COUNT(*) FROM pg_stat_activity
+                         WHERE datname = current_database() AND application_name = 'stockd' AND pid <> ALL($1)",
+                    )
+                    .bind(&ended)
+                    .fetch_one(&mut conn)
+                    .await
+                    .expect("counting the server's sessions");
+                    if live > 0 {
+                        break;
+                    }
+                    assert!(tokio::time::Instant::now() < deadline, "the server never connected again");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
                 // In the select list, so that it runs only for the rows the filter keeps.
                 let pids: Vec<(i32, bool)> = sqlx::query_as(
                     "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity
