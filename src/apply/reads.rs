@@ -3,7 +3,7 @@
 //! reconciliation. A backend runs each inside one read snapshot, so the queries of one read
 //! agree with each other.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::buckets::complete;
 use super::port::Port;
@@ -60,6 +60,8 @@ pub trait Reads: Port {
     ) -> Result<Vec<LedgerEntry>, StorageError>;
     /// What a per-user limit key has used so far (0 if never).
     async fn limit_used(&mut self, tenant: &str, key: &str) -> Result<i64, StorageError>;
+    /// Those of `ids` that are the tenant's reservations in state `held`.
+    async fn held_among(&mut self, tenant: &str, ids: &[String]) -> Result<HashSet<String>, StorageError>;
     /// Everything reconciliation judges, for one tenant or all. An incremental pass sums, for
     /// each resource (bucket), only the ledger rows whose `seq` is past its checkpoint's, through
     /// the index on `(tenant, resource, seq)`. Across rows `seq` is not in commit order (on
@@ -80,6 +82,21 @@ pub async fn resource<R: Reads>(
         Some(state) => complete(reads, tenant.as_str(), state).await.map(Some),
         None => Ok(None),
     }
+}
+
+/// A resource as [`resource`] reads it, and which of `reservations` are held, read together
+/// (in the backend's one snapshot): Redis is loaded from them (`RedisMode::load`), and must
+/// keep exactly the reservations whose stock the counters still count as reserved.
+pub async fn resource_holding<R: Reads>(
+    reads: &mut R,
+    tenant: &TenantId,
+    key: &str,
+    reservations: &[String],
+) -> Result<Option<(ResourceState, HashSet<String>)>, StorageError> {
+    let Some(state) = resource(reads, tenant, key).await? else { return Ok(None) };
+    let held =
+        if reservations.is_empty() { HashSet::new() } else { reads.held_among(tenant.as_str(), reservations).await? };
+    Ok(Some((state, held)))
 }
 
 /// A page of resources, bucketed ones' totals folded in (their buckets not listed).

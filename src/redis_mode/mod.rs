@@ -41,6 +41,10 @@ pub const GROUP: &str = "settle";
 pub const MAX_RESOURCES: u32 = 10_000;
 /// How long Redis keeps the closed marker of a resource that left redis mode.
 const FORGOTTEN_MARKER_S: u64 = 86_400;
+/// Most reservations held in Redis a load looks up in the database (those due soonest): the
+/// ones the database's sweeper may have expired first. A resource holding more has the later
+/// ones kept as they are.
+const LOAD_CHECKED: usize = 10_000;
 
 /// Why redis mode could not answer; nothing of the request was applied unless said otherwise.
 #[derive(Debug, thiserror::Error)]
@@ -608,6 +612,11 @@ impl RedisMode {
     /// it on since closed Redis under a later epoch first, so this load is refused or their
     /// close follows it. Announces the stock to every process (a sold-out mark is cleared, or
     /// set if the stock is zero).
+    ///
+    /// The reservations Redis holds (the [`LOAD_CHECKED`] due soonest) are looked up in the same
+    /// read as the counters: one the database no longer holds, because its sweeper expired it
+    /// before Redis's own pass did, has its stock in the database's available already, and Redis
+    /// forgets it instead of giving that stock back again later (see [`scripts::LOAD`]).
     pub(crate) async fn load(
         &self,
         storage: &dyn Storage,
@@ -618,7 +627,13 @@ impl RedisMode {
         let (t, k) = (tenant.as_str(), key.as_str());
         let deadline = Instant::now() + Duration::from_millis(self.settings.drain_timeout_ms);
         loop {
-            let Some(state) = storage.get_resource(tenant, key).await? else { return Ok(()) };
+            // Closed under `epoch`, Redis moves none of them until it is loaded.
+            let mut cmd = redis::cmd("ZRANGE");
+            cmd.arg(self.deadlines_key(t, k)).arg(0).arg(LOAD_CHECKED - 1);
+            let in_redis: Vec<String> = self.link.query(&cmd).await?;
+            let Some((state, held)) = storage.resource_holding(tenant, key, &in_redis).await? else {
+                return Ok(());
+            };
             if state.mode != crate::engine::Mode::Redis || state.mode_epoch != epoch {
                 return Err(RedisModeError::Superseded);
             }
@@ -626,6 +641,9 @@ impl RedisMode {
             let mut invocation = self.load.key(self.resource_key(t, k));
             invocation
                 .key(self.stream_key(t, k))
+                .key(self.limits_key(t, k))
+                .key(self.reservations_key(t, k))
+                .key(self.deadlines_key(t, k))
                 .arg(state.available)
                 .arg(if inactive { "1" } else { "0" })
                 .arg(GROUP)
@@ -634,17 +652,28 @@ impl RedisMode {
                 .arg(state.reserved)
                 .arg(epoch)
                 .arg(if state.consumed > 0 || state.reserved > 0 { "1" } else { "0" });
+            for id in in_redis.iter().filter(|id| !held.contains(*id)) {
+                invocation.arg(id);
+            }
             let mut conn = self.link.conn().await?;
-            let (loaded, backlog): (i64, i64) =
+            let (loaded, count): (i64, i64) =
                 invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
             match loaded {
                 1 => {
+                    if count > 0 {
+                        tracing::info!(
+                            tenant = t,
+                            key = k,
+                            forgotten = count,
+                            "redis forgot reservations the database expired first"
+                        );
+                    }
                     self.sold_out.mark(t, k, stock_mark(state.available));
                     return Ok(());
                 }
                 -1 => return Err(RedisModeError::Superseded),
                 // Still closed: its lease runs out and the settlement loop warms it again.
-                _ if Instant::now() >= deadline => return Err(RedisModeError::DrainTimeout(backlog)),
+                _ if Instant::now() >= deadline => return Err(RedisModeError::DrainTimeout(count)),
                 _ => tokio::time::sleep(Duration::from_millis(10)).await,
             }
         }

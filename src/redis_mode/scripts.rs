@@ -298,27 +298,45 @@ return 1
 /// the epoch that closed it, which the caller read back from the database together with the
 /// stock (so the database was still in redis mode at that epoch after Redis was closed).
 ///
-/// KEYS[1] the resource hash; KEYS[2] the stream. ARGV[1] database available; ARGV[2] "1" if
+/// KEYS[1] the resource hash; KEYS[2] the stream; KEYS[3] the limit counters; KEYS[4] the
+/// reservations; KEYS[5] the deadlines. ARGV[1] database available; ARGV[2] "1" if
 /// inactive; ARGV[3] group; ARGV[4] the channel; ARGV[5] the message announcing the new stock;
 /// ARGV[6] database reserved; ARGV[7] epoch; ARGV[8] "1" if anything of it was ever sold (its
 /// per-user limit counts may be non-zero), which, when Redis starts counting afresh (it held no
 /// stock: a new redis-mode period, or data lost), makes new limit keys start from the
-/// database's counts. Held reservations stay as they are: the database's reserved counts
-/// exactly them once everything is settled.
-/// Returns `{1, 0}` when loaded, `{0, pending}` when something is still unsettled (the caller
-/// waits and tries again), `{-1, 0}` when another epoch took over.
+/// database's counts; from ARGV[9], reservations Redis holds that the database read does not
+/// (its sweeper expired them first, or their reserve was refused).
+///
+/// Held reservations stay as they are, but for those: once everything is settled the
+/// database's reserved counts exactly the reservations it holds, and the stock of one it no
+/// longer holds is already in its available. Redis forgets such a reservation (its limit units
+/// given back, as its expiry would) instead of returning its stock a second time later.
+/// Returns `{1, forgotten}` when loaded, `{0, pending}` when something is still unsettled (the
+/// caller waits and tries again), `{-1, 0}` when another epoch took over.
 pub const LOAD: &str = r#"
 local st = redis.call('HMGET', KEYS[1], 'epoch', 'pending')
 if st[1] ~= ARGV[7] then return {-1, 0} end
 local pending = tonumber(st[2] or '0')
 if pending ~= 0 then return {0, pending} end
+local forgotten = 0
+for i = 9, #ARGV do
+  local id = ARGV[i]
+  if redis.call('HGET', KEYS[4], id .. ':s') == 'held' then
+    local qty = tonumber(redis.call('HGET', KEYS[4], id .. ':q') or '0')
+    local limit = redis.call('HGET', KEYS[4], id .. ':l')
+    if limit and limit ~= '' and qty > 0 then redis.call('HINCRBY', KEYS[3], limit, -qty) end
+    redis.call('HDEL', KEYS[4], id, id .. ':s', id .. ':q', id .. ':l', id .. ':e')
+    redis.call('ZREM', KEYS[5], id)
+    forgotten = forgotten + 1
+  end
+end
 if redis.call('HEXISTS', KEYS[1], 'avail') == 0 then redis.call('HSET', KEYS[1], 'seed', ARGV[8]) end
 redis.call('HSET', KEYS[1], 'avail', ARGV[1], 'reserved', ARGV[6], 'backlog', 0, 'pending', 0, 'open', '1',
   'inactive', ARGV[2])
 redis.call('HDEL', KEYS[1], 'owner', 'lease')
 local ok, err = pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], ARGV[3], '0', 'MKSTREAM')
 redis.call('PUBLISH', ARGV[4], ARGV[5])
-return {1, 0}
+return {1, forgotten}
 "#;
 
 /// Forgets a resource that left redis mode at `epoch` (drained first): deletes its stock,

@@ -18,6 +18,7 @@ mod settle_run_tests;
 pub mod sqlite;
 pub mod webhooks;
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -32,6 +33,9 @@ use crate::engine::{
 use crate::events::{Event, EventType};
 use crate::problem::Problem;
 use crate::ratelimit::RateLimit;
+
+/// A resource and which of the reservations asked about are held ([`Storage::resource_holding`]).
+pub type Holding = Option<(ResourceState, HashSet<String>)>;
 
 /// A failure of the storage layer itself (not a business outcome).
 #[derive(Debug, Clone, thiserror::Error)]
@@ -424,7 +428,17 @@ pub trait Storage: redis_store::RedisStore + crate::webhooks::WebhookStore + Sen
         res: &NewResource,
         now_ms: i64,
     ) -> Result<Option<ResourceState>, StorageError>;
-    async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError>;
+    async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError> {
+        Ok(self.resource_holding(tenant, key, &[]).await?.map(|(state, _)| state))
+    }
+    /// The resource, and which of the reservations `ids` are held, in one snapshot
+    /// (`apply::reads::resource_holding`).
+    async fn resource_holding(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        ids: &[String],
+    ) -> Result<Holding, StorageError>;
     async fn list_resources(
         &self,
         tenant: &TenantId,

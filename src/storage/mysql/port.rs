@@ -12,7 +12,7 @@
 //! are written with multi-row statements built for its size. Sessions run with the client flag
 //! `FOUND_ROWS` (sqlx sets it): an UPDATE counts the rows its WHERE matched.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use sqlx::mysql::{MySqlArguments, MySqlRow};
 use sqlx::{MySql, MySqlConnection, Row as SqlRow};
@@ -39,6 +39,9 @@ fn corrupt(what: &str) -> StorageError {
 }
 
 /// `n` groups of `group` placeholders: `(?, ?), (?, ?)`.
+/// Most ids one `held_among` statement names.
+const HELD_AMONG_CHUNK: usize = 1_000;
+
 pub(super) fn tuples(n: usize, group: usize) -> String {
     let one = format!("({})", vec!["?"; group].join(", "));
     vec![one; n].join(", ")
@@ -1152,6 +1155,22 @@ impl Reads for MyPort<'_> {
             .fetch_optional(&mut *self.conn)
             .await?;
         Ok(used.unwrap_or(0))
+    }
+
+    async fn held_among(&mut self, tenant: &str, ids: &[String]) -> Result<HashSet<String>, StorageError> {
+        let mut held = HashSet::with_capacity(ids.len());
+        for chunk in ids.chunks(HELD_AMONG_CHUNK) {
+            let sql = format!(
+                "SELECT id FROM reservations WHERE tenant_id = ? AND id IN ({}) AND state = 'held'",
+                vec!["?"; chunk.len()].join(", ")
+            );
+            let mut query = sqlx::query_scalar::<_, String>(&sql).bind(tenant);
+            for id in chunk {
+                query = query.bind(id);
+            }
+            held.extend(query.fetch_all(&mut *self.conn).await?);
+        }
+        Ok(held)
     }
 
     async fn ledger_rows(&mut self, tenant: Option<&str>, pass: Pass) -> Result<LedgerRows, StorageError> {

@@ -46,6 +46,7 @@ use self::port::PgPort;
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::sqlite::writer::WriterLimits;
 use super::ApiKeyInfo;
+use super::Holding;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
     OrderExecution, OrderJob, PageFrom, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError,
@@ -429,12 +430,17 @@ impl Storage for PgStorage {
         .await
     }
 
-    async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError> {
+    async fn resource_holding(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        ids: &[String],
+    ) -> Result<Holding, StorageError> {
         let mut conn = acquire(&self.pool).await?;
         let mut tx = conn.begin_with(SNAPSHOT).await?;
-        let state = reads::resource(&mut PgPort::new(&mut tx), tenant, key.as_str()).await?;
+        let read = reads::resource_holding(&mut PgPort::new(&mut tx), tenant, key.as_str(), ids).await?;
         tx.commit().await?;
-        Ok(state)
+        Ok(read)
     }
 
     async fn list_resources(

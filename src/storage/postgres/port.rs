@@ -1167,6 +1167,17 @@ impl Reads for PgPort<'_> {
         Ok(used.unwrap_or(0))
     }
 
+    async fn held_among(&mut self, tenant: &str, ids: &[String]) -> Result<HashSet<String>, StorageError> {
+        let held: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM reservations WHERE tenant_id = $1 AND id = ANY($2::text[]) AND state = 'held'",
+        )
+        .bind(tenant)
+        .bind(ids)
+        .fetch_all(&mut *self.conn)
+        .await?;
+        Ok(held.into_iter().collect())
+    }
+
     async fn ledger_rows(&mut self, tenant: Option<&str>, pass: Pass) -> Result<LedgerRows, StorageError> {
         // One tenant's reconciliation reads its own rows only (through the tenant-first keys);
         // `$1 IS NULL OR tenant_id = $1` would scan every tenant's ledger under a generic plan.

@@ -26,6 +26,7 @@ use self::readers::Readers;
 use self::writer::{Wal, Writer, WriterLimits};
 use super::rows::{self, API_KEY_COLUMNS, TENANT_COLUMNS};
 use super::ApiKeyInfo;
+use super::Holding;
 use super::{
     AdjustRefusal, ApiKeyRecord, IdempotencyRequest, Idempotent, Insert, ModeFence, NewApiKey, NewResource,
     OrderExecution, OrderJob, PageFrom, PluginUpload, PluginVersion, SinkBacklog, SinkClaim, Storage, StorageError,
@@ -319,10 +320,17 @@ impl Storage for SqliteStorage {
             .await
     }
 
-    async fn get_resource(&self, tenant: &TenantId, key: &ResourceKey) -> Result<Option<ResourceState>, StorageError> {
-        let (tenant, key) = (tenant.clone(), key.clone());
+    async fn resource_holding(
+        &self,
+        tenant: &TenantId,
+        key: &ResourceKey,
+        ids: &[String],
+    ) -> Result<Holding, StorageError> {
+        let (tenant, key, ids) = (tenant.clone(), key.clone(), ids.to_vec());
         self.readers
-            .snapshot(move |conn| run_now(reads::resource(&mut SqlitePort::new(conn), &tenant, key.as_str())))
+            .snapshot(move |conn| {
+                run_now(reads::resource_holding(&mut SqlitePort::new(conn), &tenant, key.as_str(), &ids))
+            })
             .await
     }
 

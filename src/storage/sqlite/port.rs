@@ -5,7 +5,7 @@
 //! There is one writer, so nothing is locked and nothing can change between a read and the
 //! write that follows it; a key is "claimed" by finding no record for it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use rusqlite::{params, Connection, OptionalExtension, Row as SqlRow};
 
@@ -1077,6 +1077,19 @@ impl Reads for SqlitePort<'_> {
             .query_row(params![tenant, key], |row| row.get(0))
             .optional()?;
         Ok(used.unwrap_or(0))
+    }
+
+    async fn held_among(&mut self, tenant: &str, ids: &[String]) -> Result<HashSet<String>, StorageError> {
+        let mut statement = self
+            .conn
+            .prepare_cached("SELECT 1 FROM reservations WHERE tenant_id = ?1 AND id = ?2 AND state = 'held'")?;
+        let mut held = HashSet::new();
+        for id in ids {
+            if statement.exists(params![tenant, id])? {
+                held.insert(id.clone());
+            }
+        }
+        Ok(held)
     }
 
     async fn ledger_rows(&mut self, tenant: Option<&str>, pass: Pass) -> Result<LedgerRows, StorageError> {
