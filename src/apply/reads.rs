@@ -13,7 +13,7 @@ use crate::engine::{
 };
 use crate::events::{resource_key, EventType, NewEvent};
 use crate::storage::rules::{fold_all, preview_line, previewed};
-use crate::storage::{PageFrom, StorageError};
+use crate::storage::{Holding, PageFrom, StorageError};
 
 /// The rows reconciliation judges, read in one snapshot.
 #[derive(Debug, Default)]
@@ -92,7 +92,7 @@ pub async fn resource_holding<R: Reads>(
     tenant: &TenantId,
     key: &str,
     reservations: &[String],
-) -> Result<Option<(ResourceState, HashSet<String>)>, StorageError> {
+) -> Result<Holding, StorageError> {
     let Some(state) = resource(reads, tenant, key).await? else { return Ok(None) };
     let held =
         if reservations.is_empty() { HashSet::new() } else { reads.held_among(tenant.as_str(), reservations).await? };

@@ -379,12 +379,12 @@ impl Sim {
         let (lines, expect_unsupported) = self.choose_lines();
         // No reservation in Redis while a snapshot may restore it: Redis would hold it again
         // after the database moved it on (see `redis_snapshot_step`).
-        let rollback_window = self.snapshot.is_some() || self.model.resources.iter().any(|r| r.diverged);
-        let action = if rollback_window && lines.iter().any(|(rid, _)| self.model.resources[*rid].mode == Mode::Redis) {
-            Action::Deduct
-        } else {
-            action
-        };
+        let action =
+            if self.rollback_window() && lines.iter().any(|(rid, _)| self.model.resources[*rid].mode == Mode::Redis) {
+                Action::Deduct
+            } else {
+                action
+            };
         let order_id = self.fresh("ord");
         let key = self.fresh("idem");
         let json_lines: Vec<Value> =
@@ -410,14 +410,29 @@ impl Sim {
         lines.iter().map(|(rid, _)| *rid).collect()
     }
 
+    /// Whether a snapshot may be restored (or a restored one still sells): no reservation is
+    /// made in Redis then, as Redis would hold it again after the database moved it on.
+    fn rollback_window(&self) -> bool {
+        self.snapshot.is_some() || self.model.resources.iter().any(|r| r.diverged)
+    }
+
     /// A fresh one-line deduction of `qty` from resource `rid`.
     fn one_line_deduct(&mut self, rid: usize, qty: i64) -> Request {
+        self.one_line(Action::Deduct, rid, qty)
+    }
+
+    /// A fresh one-line order of `qty` of resource `rid`.
+    fn one_line(&mut self, action: Action, rid: usize, qty: i64) -> Request {
         let order_id = self.fresh("ord");
+        let name = match action {
+            Action::Deduct => "deduct",
+            Action::Reserve => "reserve",
+        };
         Request {
             path: "/v1/orders".to_owned(),
             key: self.fresh("idem"),
-            body: json!({"order_id": order_id, "action": "deduct", "lines": [{"key": self.model.resources[rid].key, "qty": qty}]}),
-            effect: Effect::Order { action: Action::Deduct, order_id, lines: vec![(rid, qty)] },
+            body: json!({"order_id": order_id, "action": name, "lines": [{"key": self.model.resources[rid].key, "qty": qty}]}),
+            effect: Effect::Order { action, order_id, lines: vec![(rid, qty)] },
         }
     }
 
@@ -794,23 +809,16 @@ impl Sim {
     /// A fresh reservation of one piece for 1-2 s on a redis-mode resource (none while a
     /// snapshot may be restored, as in `order_step`); its index in the model once applied.
     async fn short_redis_reservation(&mut self) -> Option<usize> {
-        let rollback_window = self.snapshot.is_some() || self.model.resources.iter().any(|r| r.diverged);
         let redis: Vec<usize> = (0..self.model.resources.len())
             .filter(|&rid| self.model.resources[rid].mode == Mode::Redis && self.model.resources[rid].warmed)
             .collect();
-        if rollback_window || redis.is_empty() {
+        if self.rollback_window() || redis.is_empty() {
             return None;
         }
         let rid = redis[self.rng.random_range(0..redis.len())];
-        let order_id = self.fresh("ord");
-        let ttl = self.rng.random_range(1..=2);
-        let request = Request {
-            path: "/v1/orders".to_owned(),
-            key: self.fresh("idem"),
-            body: json!({"order_id": order_id, "action": "reserve", "ttl_seconds": ttl,
-                         "lines": [{"key": self.model.resources[rid].key, "qty": 1}]}),
-            effect: Effect::Order { action: Action::Reserve, order_id: order_id.clone(), lines: vec![(rid, 1)] },
-        };
+        let mut request = self.one_line(Action::Reserve, rid, 1);
+        request.body["ttl_seconds"] = json!(self.rng.random_range(1..=2));
+        let order_id = request.body["order_id"].as_str().unwrap_or_default().to_owned();
         let p = self.live();
         let reply = self.send(p, |c| c.keyed(&request.path, &request.key, &request.body)).await;
         let verdict = self.verdict(&request);
