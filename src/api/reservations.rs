@@ -122,7 +122,8 @@ pub async fn confirm(
     answer(state.pipeline.move_reservation(&auth.tenant, id, ReservationState::Confirmed).await?)
 }
 
-/// Held → released (reserved → available). Again, or on an expired one: 200 with its state.
+/// Held → released (reserved → available). Again, or on an expired one: 200 with its state;
+/// past its deadline (not yet swept) a held one is expired: 200 with state `expired`.
 #[utoipa::path(post, path = "/v1/reservations/{id}/release", tag = "reservations", security(("api_key" = [])),
     params(("id" = String, Path, min_length = 1, max_length = 64)),
     responses(

@@ -310,7 +310,7 @@ pub async fn admit<P: Port>(
         writes.events.push(events::reservation_event(tenant, &reservation, now_ms));
         let changed = changes.iter().map(|c| c.resource.clone());
         crossings(tenant, &mut rows, changed, now_ms, &mut writes.events);
-        out.moves[m] = Some(reservations::moved(reservation));
+        out.moves[m] = Some(reservations::moved(reservation, job.to));
     }
     // A bucketed resource's own row changes only when its stock band moved (its counters are
     // its buckets'); it is then written with its counters, version and time as read, as the

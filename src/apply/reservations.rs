@@ -24,13 +24,13 @@ pub(super) fn move_op(to: ReservationState) -> Result<(LedgerOp, Move), StorageE
 
 /// Where a confirm (`to`: confirmed) or release (`to`: released) takes the reservation now:
 /// the state to move it to, or `None` when it stays as it is (answer [`unmoved`]). Past its
-/// deadline but not yet swept, a held reservation being confirmed is expired instead: that
-/// keeps a late confirm from winning a race with the sweeper.
+/// deadline but not yet swept, a held reservation is expired instead, whatever was asked: a
+/// late confirm does not win a race with the sweeper, and a late release records the same
+/// `expire` the sweeper (or Redis's expiry pass) would, so every copy of the reservation ends
+/// in one state.
 pub(super) fn move_to(reservation: &Reservation, to: ReservationState, now_ms: i64) -> Option<ReservationState> {
     match reservation.state {
-        ReservationState::Held if to == ReservationState::Confirmed && reservation.expires_at.0 <= now_ms => {
-            Some(ReservationState::Expired)
-        }
+        ReservationState::Held if reservation.expires_at.0 <= now_ms => Some(ReservationState::Expired),
         ReservationState::Held => Some(to),
         _ => None,
     }
@@ -48,10 +48,13 @@ pub(super) fn unmoved(reservation: Reservation, to: ReservationState) -> Transit
     }
 }
 
-/// The answer to a move made: a confirm that expired the reservation is refused as expired.
-pub(super) fn moved(reservation: Reservation) -> Transition {
+/// The answer to a move toward `to` made: a confirm that expired the reservation is refused as
+/// expired; a release that did is done (as a release of one the sweeper expired is).
+pub(super) fn moved(reservation: Reservation, to: ReservationState) -> Transition {
     if reservation.state == ReservationState::Expired {
         metrics::counter!("stockd_reservations_expired_total").increment(1);
+    }
+    if reservation.state == ReservationState::Expired && to == ReservationState::Confirmed {
         Transition::Refused(ReservationState::Expired, reservation)
     } else {
         Transition::Done(reservation)
@@ -175,7 +178,7 @@ async fn transition<P: Port>(
         };
         let Some(next) = move_to(&reservation, to, now_ms) else { return Ok(unmoved(reservation, to)) };
         let Some(reservation) = finish(port, tenant.as_str(), reservation, next, now_ms).await? else { continue };
-        return Ok(moved(reservation));
+        return Ok(moved(reservation, to));
     }
     Err(StorageError::Internal(format!("reservation {id} left held twice")))
 }

@@ -205,7 +205,9 @@ async fn settle_move<P: Port>(
         };
         let qty: i64 = reservation.lines.iter().map(|l| l.qty).sum();
         if reservation.state != ReservationState::Held {
-            if reservation.state == to {
+            // A release Redis made just before the deadline, settled after the sweeper
+            // expired the row: both gave the stock and the limit back, once.
+            if reservation.state == to || (gives_back(to) && gives_back(reservation.state)) {
                 return Ok(Settled::Duplicate);
             }
             return refused(port, r, qty, &format!("reservation_{}", reservation.state.as_str()), now_ms).await;
@@ -243,6 +245,11 @@ async fn settle_move<P: Port>(
         return Ok(Settled::Applied);
     }
     Err(StorageError::Internal(format!("reservation {id} left held twice")))
+}
+
+/// Whether leaving `held` for `state` gives the reservation's stock back.
+fn gives_back(state: ReservationState) -> bool {
+    matches!(state, ReservationState::Released | ReservationState::Expired)
 }
 
 /// Whether a record may be settled in a run with others ([`settle_run`]): a deduction that

@@ -102,8 +102,9 @@ redis.call('EXPIRE', KEYS[3], ARGV[5])
 return {outcome, code, body, avail}
 "#;
 
-/// Moves a held reservation to `confirmed`, `released` or `expired`, once: a confirm past the
-/// deadline expires it instead. Its quantity leaves `reserved` (back to `avail` unless
+/// Moves a held reservation to `confirmed`, `released` or `expired`, once: a confirm or release
+/// past the deadline expires it instead (the same `expire` the database's sweeper records when
+/// it is first). Its quantity leaves `reserved` (back to `avail` unless
 /// confirmed, with the per-user limit given back), and the move is appended to the stream.
 ///
 /// KEYS[1] the resource hash; KEYS[2] the limit counters; KEYS[3] the stream; KEYS[4] the
@@ -123,7 +124,7 @@ if st ~= 'held' then return {st, doc} end
 if redis.call('HGET', KEYS[1], 'open') ~= '1' then return {'closed', ''} end
 local to = ARGV[2]
 local deadline = tonumber(redis.call('HGET', KEYS[4], id .. ':e'))
-if to == 'confirmed' and deadline <= tonumber(ARGV[3]) then to = 'expired' end
+if deadline <= tonumber(ARGV[3]) then to = 'expired' end
 local qty = tonumber(redis.call('HGET', KEYS[4], id .. ':q'))
 local limit = redis.call('HGET', KEYS[4], id .. ':l')
 redis.call('HINCRBY', KEYS[1], 'reserved', -qty)
