@@ -174,6 +174,13 @@ impl Pipeline {
     async fn order_in_redis(&self, redis: &RedisMode, job: Arc<OrderJob>, now: i64) -> Result<OrderAnswer, Refusal> {
         let answer = |response| OrderAnswer { response, outcome: None };
         let tenant = &job.tenant;
+        // A new connection to Redis: the modes are read again first, and an order whose
+        // resource left redis mode meanwhile takes the database path.
+        redis.catch_up(self.storage.as_ref()).await?;
+        if !redis.routes(&job) {
+            let executed = self.storage.execute_order(job.clone(), now).await?;
+            return Ok(OrderAnswer { response: executed.response, outcome: executed.outcome });
+        }
         if let Some(previous) = self.answered(tenant, &job.idempotency).await? {
             return Ok(answer(previous));
         }

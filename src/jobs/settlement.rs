@@ -23,6 +23,9 @@ use crate::storage::{Storage, StorageError};
 use crate::time::{now_ms, Timestamp};
 /// How often each stream is searched for entries of dead consumers.
 const CLAIM_EVERY: Duration = Duration::from_millis(500);
+/// How soon the modes are read again after a new connection to Redis (at most this often while
+/// the database cannot answer).
+const CATCH_UP_EVERY: Duration = Duration::from_millis(100);
 /// Longest time between two searches for consumers of dead processes (half the idle time
 /// after which one is removed, at least `CLAIM_EVERY`).
 const SWEEP_CONSUMERS_MAX_EVERY: Duration = Duration::from_secs(60);
@@ -59,7 +62,11 @@ pub async fn run(hot: Arc<RedisMode>, storage: Arc<dyn Storage>, dead_consumer_i
     let mut swept = Instant::now();
     loop {
         ctx.fault_point().await;
-        if refreshed.is_none_or(|at| at.elapsed() >= refresh_every) {
+        // Also at once after a new connection to Redis (it may hold another past: restarted,
+        // restored from a snapshot, failed over).
+        let due = refreshed.is_none_or(|at| at.elapsed() >= refresh_every)
+            || (hot.behind_link() && refreshed.is_none_or(|at| at.elapsed() >= CATCH_UP_EVERY));
+        if due {
             if let Err(err) = hot.refresh_modes(storage.as_ref()).await {
                 tracing::warn!(error = %err, "listing redis-mode resources failed; will retry");
             }

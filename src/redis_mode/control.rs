@@ -195,7 +195,14 @@ impl RedisMode {
         id: &str,
     ) -> Result<Option<String>, RedisModeError> {
         if let Some(key) = self.reservation_resource(tenant.as_str(), id).await? {
-            return Ok(Some(key));
+            // Redis may name it after its resource left redis mode (restored from a snapshot
+            // older than the switch, while this process's view was stale): only a redis-mode
+            // resource's reservations are answered from Redis.
+            self.catch_up(storage).await?;
+            if self.is_redis(tenant.as_str(), &key) || self.still_redis(storage, tenant, &key).await? {
+                return Ok(Some(key));
+            }
+            return Ok(None);
         }
         let Some(row) = storage.get_reservation(tenant, id).await? else { return Ok(None) };
         Ok(row.lines.first().map(|l| l.resource.clone()).filter(|r| self.is_redis(tenant.as_str(), r)))

@@ -5,7 +5,13 @@
 //! again, asking the Sentinels for the current master first. Nothing is retried here: the
 //! caller answers `503 unavailable` and the client retries with the same idempotency key,
 //! which the Lua scripts make harmless.
+//!
+//! Every connection made is counted ([`Link::generation`]): what Redis holds may have changed
+//! beyond this process's knowledge across a new connection (a restart, possibly from an older
+//! snapshot, or a failover), so the process reads the resources' modes again before it sells
+//! through it (`RedisMode::catch_up`).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -70,6 +76,8 @@ impl ConnectionLike for Conn {
 pub struct Link {
     source: Source,
     current: Mutex<Option<Conn>>,
+    /// How many connections were made (the first is 1).
+    generation: AtomicU64,
     timeout: Duration,
     /// A plain client for pub/sub (one node is enough: PUBLISH reaches every node of a cluster).
     pubsub: Option<redis::Client>,
@@ -94,7 +102,7 @@ impl Link {
                 (Source::Sentinel(tokio::sync::Mutex::new(client)), None)
             }
         };
-        Ok(Self { source, current: Mutex::new(None), timeout, pubsub })
+        Ok(Self { source, current: Mutex::new(None), generation: AtomicU64::new(0), timeout, pubsub })
     }
 
     fn config(&self) -> AsyncConnectionConfig {
@@ -122,7 +130,14 @@ impl Link {
         if let Ok(mut current) = self.current.lock() {
             *current = Some(conn.clone());
         }
+        self.generation.fetch_add(1, Ordering::AcqRel);
         Ok(conn)
+    }
+
+    /// How many connections this process has made to Redis so far: a higher count than the one
+    /// a view of Redis was taken under means the view may be older than what Redis holds.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     /// Looks at a failed command: if the connection is no good any more, forget it.

@@ -24,6 +24,7 @@ pub mod scripts;
 pub mod soldout;
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
@@ -211,6 +212,10 @@ pub struct RedisMode {
     reverse: Script,
     /// The redis-mode resources, as last read from the database (and changed by this process).
     modes: RwLock<HashSet<(String, String)>>,
+    /// The link's connection count when `modes` was last read (see [`RedisMode::catch_up`]).
+    modes_read_at: AtomicU64,
+    /// One reading of the modes at a time after a new connection, not one per request.
+    catching_up: tokio::sync::Mutex<()>,
     pub sold_out: soldout::SoldOut,
     /// This process's consumer name in the settlement group.
     pub consumer: String,
@@ -247,6 +252,8 @@ impl RedisMode {
             forget: Script::new(scripts::FORGET),
             reverse: Script::new(scripts::REVERSE),
             modes: RwLock::new(HashSet::new()),
+            modes_read_at: AtomicU64::new(0),
+            catching_up: tokio::sync::Mutex::new(()),
             sold_out: soldout::SoldOut::default(),
             consumer: format!("stockd-{}", ulid::Ulid::new()),
         }))
@@ -334,10 +341,36 @@ impl RedisMode {
 
     /// Re-reads which resources are in redis mode (every process, every second).
     pub async fn refresh_modes(&self, storage: &dyn Storage) -> Result<(), StorageError> {
+        // Taken before the read: the read then follows every connection counted.
+        let generation = self.link.generation();
         let found = storage.redis_resources(MAX_RESOURCES).await?;
         let set = found.into_iter().map(|(t, k)| (t.to_string(), k.to_string())).collect();
         if let Ok(mut modes) = self.modes.write() {
             *modes = set;
+        }
+        self.modes_read_at.fetch_max(generation, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Whether a connection to Redis was made since the modes were last read.
+    pub fn behind_link(&self) -> bool {
+        self.modes_read_at.load(Ordering::Acquire) < self.link.generation()
+    }
+
+    /// Connects to Redis if need be, and reads the modes again if the connection is newer than
+    /// them. Redis on a new connection may have restarted from a snapshot older than a switch
+    /// out of redis mode: the resource's keys are back, open, and a process still counting it
+    /// in redis mode would sell there, in a stream nobody settles once every view is current.
+    /// Called before an order or a reservation's move uses Redis; costs one database read per
+    /// new connection, and only an atomic load otherwise.
+    pub async fn catch_up(&self, storage: &dyn Storage) -> Result<(), RedisModeError> {
+        self.link.conn().await?;
+        if !self.behind_link() {
+            return Ok(());
+        }
+        let _one = self.catching_up.lock().await;
+        if self.behind_link() {
+            self.refresh_modes(storage).await?;
         }
         Ok(())
     }
@@ -800,8 +833,8 @@ impl RedisDrift {
 }
 
 impl RedisMode {
-    /// Moves a reservation made in Redis to `to` (`confirmed`, `released`, `expired`; a confirm
-    /// past its deadline expires it). Returns its state now and the reservation, or `None` when
+    /// Moves a reservation made in Redis to `to` (`confirmed`, `released`, `expired`; past its
+    /// deadline it expires whatever was asked). Returns its state now and the reservation, or `None` when
     /// Redis does not hold it.
     pub async fn transition_reservation(
         &self,

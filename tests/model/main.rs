@@ -12,9 +12,7 @@
 //! `STOCKD_MODEL_SEED` replays a run's choices (the seed is printed at the start and in every
 //! failure); `STOCKD_MODEL_STEPS` sets the number of steps per test (default 250). Timing
 //! (which request meets which sweep or settlement) is the machine's, so a seed reproduces the
-//! sequence of operations, not every interleaving. Known bugs, already reproduced by tests of
-//! their own, are counted instead of failing the run; `STOCKD_MODEL_STRICT=1` fails on them.
-//! See docs/TESTING.md.
+//! sequence of operations, not every interleaving. See docs/TESTING.md.
 
 #[path = "../api/helpers.rs"]
 #[allow(dead_code)]
