@@ -32,7 +32,7 @@ use redis::{RedisError, Script};
 
 use self::link::{Link, Topology};
 use crate::config::RedisConfig;
-use crate::engine::{ResourceKey, ResourceState, TenantId};
+use crate::engine::{Kind, ResourceKey, ResourceState, TenantId};
 use crate::storage::redis_store::SettleRecord;
 use crate::storage::{Storage, StorageError};
 
@@ -109,6 +109,9 @@ pub enum Deducted {
     Closed,
     /// The resource's stream holds `max_backlog` entries not yet settled: nothing written.
     Backlog,
+    /// The resource is of another kind than the plan requires: nothing written; run again with
+    /// the refusal's body ([`Bodies::not_found`]).
+    OtherKind,
     /// The limit key's count must be read from the database first (see [`scripts::DEDUCT`]).
     Seed,
 }
@@ -119,6 +122,9 @@ pub struct Bodies {
     pub insufficient: String,
     pub limit: String,
     pub inactive: String,
+    /// The refusal of a resource of another kind than the plan requires; built only once Redis
+    /// says so (empty until then).
+    pub not_found: String,
 }
 
 /// One deduction to run.
@@ -129,6 +135,8 @@ pub struct Deduction<'a> {
     pub key: &'a ResourceKey,
     pub qty: i64,
     pub limit: Option<(&'a str, i64)>,
+    /// The kind the plan requires of the resource, if any.
+    pub kind: Option<Kind>,
     pub request_hash: &'a str,
     pub idempotency_key: &'a str,
     pub bodies: Bodies,
@@ -407,7 +415,11 @@ impl RedisMode {
             Some(seed) => invocation.arg(seed.used).arg(seed.epoch),
             None => invocation.arg("").arg(""),
         };
-        invocation.arg(refusal).arg(self.settings.max_backlog);
+        invocation
+            .arg(refusal)
+            .arg(self.settings.max_backlog)
+            .arg(d.kind.map_or("", Kind::as_str))
+            .arg(&d.bodies.not_found);
         let mut conn = self.link.conn().await?;
         let reply: Result<(String, String, String, i64), RedisError> = invocation.invoke_async(&mut conn).await;
         let (outcome, code, body, available) = reply.inspect_err(|e| self.link.judge(e))?;
@@ -419,6 +431,7 @@ impl RedisMode {
             "closed" => Deducted::Closed,
             "backlog" => Deducted::Backlog,
             "seed" => Deducted::Seed,
+            "kind" => Deducted::OtherKind,
             _ => Deducted::Fresh { outcome, status, body, available },
         })
     }
@@ -684,7 +697,8 @@ impl RedisMode {
                 .arg(soldout::message(stock_mark(state.available), t, k))
                 .arg(state.reserved)
                 .arg(epoch)
-                .arg(if state.consumed > 0 || state.reserved > 0 { "1" } else { "0" });
+                .arg(if state.consumed > 0 || state.reserved > 0 { "1" } else { "0" })
+                .arg(state.kind.as_str());
             for id in in_redis.iter().filter(|id| !held.contains(*id)) {
                 invocation.arg(id);
             }

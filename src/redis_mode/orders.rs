@@ -113,6 +113,7 @@ impl RedisMode {
             key: target,
             qty: line.qty,
             limit: line.limit.as_ref().map(|l| (l.key.as_str(), l.max)),
+            kind: line.targets[0].kind,
             request_hash: &job.idempotency.request_hash,
             idempotency_key: job.idempotency.key.as_str(),
             bodies: Bodies {
@@ -120,6 +121,7 @@ impl RedisMode {
                 insufficient: body(LineResult::Rejected(Reason::Insufficient))?,
                 limit: body(LineResult::Rejected(Reason::LimitExceeded))?,
                 inactive: body(LineResult::Rejected(Reason::ResourceInactive))?,
+                not_found: String::new(),
             },
             record,
             refusal,
@@ -140,7 +142,14 @@ impl RedisMode {
                 Some(previous) => previous,
                 None => return sold_out(),
             },
-            None => self.deduct_seeded(storage, &mut deduction).await?,
+            None => match self.deduct_seeded(storage, &mut deduction).await? {
+                // The plan names a resource of another kind: refused as on the database path.
+                Deducted::OtherKind => {
+                    deduction.bodies.not_found = body(LineResult::Rejected(Reason::ResourceNotFound))?;
+                    self.deduct_seeded(storage, &mut deduction).await?
+                }
+                answer => answer,
+            },
         };
         match answer {
             Deducted::Fresh { outcome, status, body, available } => {
@@ -163,6 +172,7 @@ impl RedisMode {
             Deducted::Mismatch => Ok(Idempotent::Mismatch),
             Deducted::Cold => Err(RedisModeError::NotWarmed(target.to_string())),
             Deducted::Closed | Deducted::Seed => Err(RedisModeError::Closed),
+            Deducted::OtherKind => Err(RedisModeError::Reply("a kind refused without its body".into())),
             Deducted::Backlog => {
                 metrics::counter!("stockd_redis_backlog_refusals_total").increment(1);
                 Err(RedisModeError::Backlog)

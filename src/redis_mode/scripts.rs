@@ -10,7 +10,8 @@
 /// KEYS[1] the resource hash: `avail` (stock Redis may sell), `reserved`, `backlog` (available
 ///         quantity sold or returned here and not yet settled into the database, signed),
 ///         `pending` (stream entries not yet settled), `open` ("1" sells; "0" while a warm or a
-///         mode switch drains the stream), `inactive` ("1" refuses as the resource is inactive)
+///         mode switch drains the stream), `inactive` ("1" refuses as the resource is inactive),
+///         `kind` (the resource's kind, set by the load)
 /// KEYS[2] the resource's per-user limit counters (hash: limit key -> used)
 /// KEYS[3] this request's record (hash: `h` request hash, `c` status code, `b` body)
 /// KEYS[4] the resource's settlement stream
@@ -25,9 +26,13 @@
 /// "reserve"; reserve only: ARGV[14] reservation id, ARGV[15] deadline (Unix ms), ARGV[16] the
 /// reservation document; ARGV[17] the limit key's count in the database or "" (not read), and
 /// ARGV[18] the resource's epoch when it was read; ARGV[19] the settlement record of a refusal;
-/// ARGV[20] the most entries the resource's stream may hold unsettled (`backlog`).
+/// ARGV[20] the most entries the resource's stream may hold unsettled (`backlog`); ARGV[21]
+/// the kind the plan requires of the resource or ""; ARGV[22] the body if the resource is of
+/// another kind, or "" (not built: answers `kind`, nothing written, and the caller runs the
+/// script again with it; a plan naming the wrong kind is a plugin's mistake, not a sale).
 ///
-/// A refusal (insufficient, over the limit, inactive) joins the stream too, with its status and
+/// A refusal (another kind, answered as on the database path: resource not found;
+/// insufficient, over the limit, inactive) joins the stream too, with its status and
 /// body beside the record (`c`, `b`): settled, it becomes the key's stored outcome in the
 /// database, so its replay answers the same after a sold-out mark, a switch to db mode or a
 /// Redis data loss.
@@ -40,7 +45,8 @@
 /// settled). A flash sale on a resource created in redis mode never reads a count.
 ///
 /// Returns `{outcome, code, body, avail}`; outcome is `applied`, `insufficient`, `limit`,
-/// `inactive`, `replay`, `mismatch`, `cold` (not warmed: nothing known), `closed` (draining),
+/// `inactive`, `not_found`, `kind`, `replay`, `mismatch`, `cold` (not warmed: nothing known),
+/// `closed` (draining),
 /// `backlog` (settlement is that far behind: nothing written, a replay still answered) or
 /// `seed` (read the limit key's count from the database and run again; nothing written).
 /// A success exists only together with its stream entry: both are written by this one script.
@@ -50,14 +56,16 @@ if prev[1] then
   if prev[1] ~= ARGV[4] then return {'mismatch', '422', '', -1} end
   return {'replay', prev[2], prev[3], -1}
 end
-local st = redis.call('HMGET', KEYS[1], 'avail', 'open', 'inactive', 'seed', 'pending')
+local st = redis.call('HMGET', KEYS[1], 'avail', 'open', 'inactive', 'seed', 'pending', 'kind')
 if not st[1] then return {'cold', '503', '', -1} end
 if st[2] ~= '1' then return {'closed', '503', '', -1} end
 if tonumber(st[5] or '0') >= tonumber(ARGV[20]) then return {'backlog', '503', '', -1} end
+local other_kind = ARGV[21] ~= '' and st[6] and st[6] ~= ARGV[21]
+if other_kind and ARGV[22] == '' then return {'kind', '409', '', -1} end
 local qty = tonumber(ARGV[1])
 local avail = tonumber(st[1])
 local used = 0
-if ARGV[2] ~= '' then
+if ARGV[2] ~= '' and not other_kind then
   local counted = redis.call('HGET', KEYS[2], ARGV[2])
   if counted then
     used = tonumber(counted)
@@ -71,7 +79,9 @@ if ARGV[2] ~= '' then
   end
 end
 local outcome, code, body
-if st[3] == '1' then
+if other_kind then
+  outcome, code, body = 'not_found', '409', ARGV[22]
+elseif st[3] == '1' then
   outcome, code, body = 'inactive', '409', ARGV[9]
 elseif ARGV[2] ~= '' and used + qty > tonumber(ARGV[3]) then
   outcome, code, body = 'limit', '409', ARGV[8]
@@ -305,8 +315,8 @@ return 1
 /// ARGV[6] database reserved; ARGV[7] epoch; ARGV[8] "1" if anything of it was ever sold (its
 /// per-user limit counts may be non-zero), which, when Redis starts counting afresh (it held no
 /// stock: a new redis-mode period, or data lost), makes new limit keys start from the
-/// database's counts; from ARGV[9], reservations Redis holds that the database read does not
-/// (its sweeper expired them first, or their reserve was refused).
+/// database's counts; ARGV[9] the resource's kind; from ARGV[10], reservations Redis holds that
+/// the database read does not (its sweeper expired them first, or their reserve was refused).
 ///
 /// Held reservations stay as they are, but for those: once everything is settled the
 /// database's reserved counts exactly the reservations it holds, and the stock of one it no
@@ -320,7 +330,7 @@ if st[1] ~= ARGV[7] then return {-1, 0} end
 local pending = tonumber(st[2] or '0')
 if pending ~= 0 then return {0, pending} end
 local forgotten = 0
-for i = 9, #ARGV do
+for i = 10, #ARGV do
   local id = ARGV[i]
   if redis.call('HGET', KEYS[4], id .. ':s') == 'held' then
     local qty = tonumber(redis.call('HGET', KEYS[4], id .. ':q') or '0')
@@ -333,7 +343,7 @@ for i = 9, #ARGV do
 end
 if redis.call('HEXISTS', KEYS[1], 'avail') == 0 then redis.call('HSET', KEYS[1], 'seed', ARGV[8]) end
 redis.call('HSET', KEYS[1], 'avail', ARGV[1], 'reserved', ARGV[6], 'backlog', 0, 'pending', 0, 'open', '1',
-  'inactive', ARGV[2])
+  'inactive', ARGV[2], 'kind', ARGV[9])
 redis.call('HDEL', KEYS[1], 'owner', 'lease')
 local ok, err = pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], ARGV[3], '0', 'MKSTREAM')
 redis.call('PUBLISH', ARGV[4], ARGV[5])

@@ -829,6 +829,54 @@ async fn a_release_in_redis_after_the_database_expired_the_reservation_records_o
     assert_counts(&shop.state("sku-1").await, 0, 0, 3, 3);
 }
 
+/// A plan that requires a kind (the flash-sale plugin: `inventory`) of a redis-mode resource of
+/// another kind is refused as on the database path: `409` with the line `resource_not_found`,
+/// nothing sold, the answer stored (a replay answers it byte for byte, also once settled).
+/// Redis used to sell it: the plan's kind was not checked on the Redis path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_requiring_another_kind_is_refused_in_redis_as_on_the_database_path() {
+    let (app, _prefix) = redis_app(&shared_redis_url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    shop.put_plugin_config(plugin_wasm("flash-sale"), "buckets=1").await.expect_json(201);
+    for (key, mode) in [("c-redis", "redis"), ("c-db", "db")] {
+        let body = json!({"key": key, "kind": "coupon", "total": 5, "mode": mode});
+        assert_eq!(shop.post("/v1/resources", &body).await.expect_json(201)["mode"], mode);
+    }
+    create_redis_resource(&shop, "sku-1", 5).await;
+
+    let mut answers = Vec::new();
+    for key in ["c-redis", "c-db"] {
+        let idem = format!("o-{key}");
+        let reply = shop.order(&idem, &deduct_one(&idem, key, 1, Some("u1"))).await;
+        assert_eq!(reply.status(), 409, "{key}: {}", reply.text);
+        let doc = reply.json();
+        assert_eq!(doc["lines"][0]["reason"], "resource_not_found", "{key}: {doc}");
+        answers.push((idem, reply.text.clone(), doc));
+    }
+    // The same document but for the order's id and key.
+    let strip = |doc: &Value| {
+        let mut doc = doc.clone();
+        doc["order_id"] = json!("");
+        doc["lines"][0]["key"] = json!("");
+        doc["lines"][0]["resource"] = json!("");
+        doc
+    };
+    assert_eq!(strip(&answers[0].2), strip(&answers[1].2), "Redis answers as the database path does");
+    // The right kind still sells, to the same user.
+    shop.order("o-sku", &deduct_one("o-sku", "sku-1", 1, Some("u1"))).await.expect_json(201);
+
+    let (idem, text, _) = &answers[0];
+    let again = shop.order(idem, &deduct_one(idem, "c-redis", 1, Some("u1"))).await;
+    assert_eq!((again.status(), &again.text), (409, text), "a replay from Redis's record");
+    wait_settled(&shop, "sku-1", 1).await;
+    let report = wait_settled(&shop, "c-redis", 0).await;
+    assert_in_line(&report, "sku-1");
+    assert_in_line(&report, "c-redis");
+    assert_counts(&shop.state("c-redis").await, 5, 0, 0, 5);
+    let again = shop.order(idem, &deduct_one(idem, "c-redis", 1, Some("u1"))).await;
+    assert_eq!((again.status(), &again.text), (409, text), "a replay once settled");
+}
+
 /// Whether Redis holds the outcome of this idempotency key for `key`: the deduct script stores
 /// one for every sale it makes, and the database path never writes there.
 async fn sold_by_redis(redis_url: &str, prefix: &str, key: &str, idempotency_key: &str) -> bool {
