@@ -1227,21 +1227,34 @@ impl Sim {
         touched
     }
 
-    /// Redis saves a snapshot (`SAVE`) once everything has settled and no
-    /// redis-mode resource holds a reservation; a later rollback restores it.
-    async fn redis_snapshot_step(&mut self) -> Vec<usize> {
-        let redis: Vec<usize> =
-            (0..self.model.resources.len()).filter(|&rid| self.model.resources[rid].mode == Mode::Redis).collect();
+    /// Whether Redis may be snapshotted now: no reservation held on a redis-mode resource (a
+    /// restore would hold it again after the database moved it on, a documented limit) and no
+    /// resource diverged from an earlier restore.
+    fn snapshot_allowed(&self, redis: &[usize]) -> bool {
         let held_in_redis = self
             .model
             .reservations
             .iter()
             .any(|rsv| rsv.state == RsvState::Held && rsv.lines.iter().any(|(rid, _)| redis.contains(rid)));
-        if held_in_redis || self.model.resources.iter().any(|r| r.diverged) {
+        !held_in_redis && !self.model.resources.iter().any(|r| r.diverged)
+    }
+
+    /// Redis saves a snapshot (`SAVE`) once everything has settled and no
+    /// redis-mode resource holds a reservation; a later rollback restores it.
+    async fn redis_snapshot_step(&mut self) -> Vec<usize> {
+        let redis: Vec<usize> =
+            (0..self.model.resources.len()).filter(|&rid| self.model.resources[rid].mode == Mode::Redis).collect();
+        if !self.snapshot_allowed(&redis) {
             return self.order_step(Action::Deduct).await;
         }
         self.quiesce().await;
         self.settle().await;
+        // Quiescing sends the requests whose answers were lost again: one may have just made a
+        // reservation in Redis.
+        if !self.snapshot_allowed(&redis) {
+            self.count("snapshot skipped: a resent request reserved in Redis");
+            return Vec::new();
+        }
         let mut conn = crate::redis_support::redis_conn(&self.redis.url()).await;
         let saved: Result<String, _> = redis::cmd("SAVE").query_async(&mut conn).await;
         if let Err(e) = saved {
