@@ -178,8 +178,7 @@ impl Pipeline {
         // resource left redis mode meanwhile takes the database path.
         redis.catch_up(self.storage.as_ref()).await?;
         if !redis.routes(&job) {
-            let executed = self.storage.execute_order(job.clone(), now).await?;
-            return Ok(OrderAnswer { response: executed.response, outcome: executed.outcome });
+            return self.in_database(job, now).await;
         }
         if let Some(previous) = self.answered(tenant, &job.idempotency).await? {
             return Ok(answer(previous));
@@ -189,11 +188,16 @@ impl Pipeline {
             Err(RedisModeError::NotWarmed(_) | RedisModeError::Closed)
                 if !redis.routes_now(self.storage.as_ref(), &job).await? =>
             {
-                let executed = self.storage.execute_order(job.clone(), now).await?;
-                Ok(OrderAnswer { response: executed.response, outcome: executed.outcome })
+                self.in_database(job, now).await
             }
             Err(refused) => self.replayed_or(tenant, &job.idempotency, refused.into()).await.map(answer),
         }
+    }
+
+    /// An order sent to Redis whose resources are not (any more) in redis mode.
+    async fn in_database(&self, job: Arc<OrderJob>, now: i64) -> Result<OrderAnswer, Refusal> {
+        let executed = self.storage.execute_order(job, now).await?;
+        Ok(OrderAnswer { response: executed.response, outcome: executed.outcome })
     }
 
     /// The plan and the outcome the order would have now; applies and records nothing.

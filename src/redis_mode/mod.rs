@@ -383,6 +383,15 @@ impl RedisMode {
         Ok(())
     }
 
+    /// The connection to sell on or move a reservation on, or `None` when it was made after the
+    /// mode view was last read: another request replaced a broken connection since this one's
+    /// [`RedisMode::catch_up`], and Redis may have restarted from an older snapshot in between.
+    /// The caller answers as closed (the database is asked, and a retry catches up).
+    async fn selling_conn(&self) -> Result<Option<link::Conn>, RedisModeError> {
+        let conn = self.link.conn().await?;
+        Ok((!self.behind_link()).then_some(conn))
+    }
+
     /// Runs the deduct script for one order line.
     pub async fn deduct(&self, d: &Deduction<'_>) -> Result<Deducted, RedisModeError> {
         let (tenant, key) = (d.tenant.as_str(), d.key.as_str());
@@ -420,7 +429,7 @@ impl RedisMode {
             .arg(self.settings.max_backlog)
             .arg(d.kind.map_or("", Kind::as_str))
             .arg(&d.bodies.not_found);
-        let mut conn = self.link.conn().await?;
+        let Some(mut conn) = self.selling_conn().await? else { return Ok(Deducted::Closed) };
         let reply: Result<(String, String, String, i64), RedisError> = invocation.invoke_async(&mut conn).await;
         let (outcome, code, body, available) = reply.inspect_err(|e| self.link.judge(e))?;
         let status = code.parse::<u16>().map_err(|_| RedisModeError::Reply(format!("status {code}")))?;
@@ -515,7 +524,7 @@ impl RedisMode {
             invocation.arg(record);
         }
         invocation.arg(self.channel()).arg(soldout::message(soldout::Mark::InStock, tenant, key));
-        let mut conn = self.link.conn().await?;
+        let Some(mut conn) = self.selling_conn().await? else { return Err(RedisModeError::Closed) };
         let (state, doc): (String, String) =
             invocation.invoke_async(&mut conn).await.inspect_err(|e| self.link.judge(e))?;
         match state.as_str() {
