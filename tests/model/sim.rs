@@ -77,8 +77,13 @@ pub struct Sim {
     ids: u64,
     pause_left: u32,
     uploads: usize,
-    /// Redis-mode resources when Redis saved the snapshot a rollback will restore.
+    /// The resources whose keys Redis held when it saved the snapshot a rollback will restore:
+    /// those in redis mode then, and those in `stale_keys`.
     snapshot: Option<Vec<usize>>,
+    /// Resources in db mode whose keys a rollback brought back into Redis (open, with the stock
+    /// of then; nobody sells from them): they are in any snapshot saved meanwhile, until the
+    /// resource is switched (which overwrites or deletes them) or Redis restarts empty.
+    stale_keys: std::collections::HashSet<usize>,
     /// The servers' Redis key prefix.
     redis_prefix: String,
     /// Sales Redis acknowledged for a diverged resource: (order id, idempotency key, resource,
@@ -134,6 +139,7 @@ pub async fn run(backend: Backend, processes: usize, salt: u64) {
         redis_prefix,
         diverged_sales: Vec::new(),
         explained_failures: std::collections::HashSet::new(),
+        stale_keys: std::collections::HashSet::new(),
     };
     sim.model.activate_plugin(0);
     sim.create_resources().await;
@@ -994,6 +1000,7 @@ impl Sim {
             }
         }
         self.resync(rid).await;
+        self.stale_keys.remove(&rid);
         let resource = &mut self.model.resources[rid];
         resource.mode = target;
         resource.mode_changed = now;
@@ -1162,6 +1169,7 @@ impl Sim {
         self.settle().await;
         self.note("Redis kill -9 and restart (empty)".to_owned());
         self.redis.restart().await;
+        self.stale_keys.clear();
         self.count("redis restart");
         self.model.outcomes.retain(|o| !o.redis_refusal);
         let redis: Vec<usize> =
@@ -1260,9 +1268,12 @@ impl Sim {
         if let Err(e) = saved {
             self.fail(format!("redis SAVE: {e}"));
         }
-        self.note(format!("Redis SAVE (snapshot of redis-mode resources {redis:?})"));
+        let mut held = redis.clone();
+        held.extend(self.stale_keys.iter().copied());
+        held.sort_unstable();
+        self.note(format!("Redis SAVE (snapshot of redis-mode resources {redis:?}, keys of {held:?})"));
         self.count("redis snapshot");
-        self.snapshot = Some(redis);
+        self.snapshot = Some(held);
         Vec::new()
     }
 
@@ -1282,8 +1293,11 @@ impl Sim {
             self.fail(format!("removing {}: {e}", dump.display()));
         }
         self.count("redis rollback to a snapshot");
-        if snapshot.iter().any(|&rid| self.model.resources[rid].mode != Mode::Redis) {
-            // Its keys come back open; every process must keep selling it on the database path.
+        // Redis holds exactly the snapshot's keys now: those of db-mode resources come back open,
+        // and every process must keep selling them on the database path.
+        self.stale_keys =
+            snapshot.iter().copied().filter(|&rid| self.model.resources[rid].mode != Mode::Redis).collect();
+        if !self.stale_keys.is_empty() {
             self.count("redis rollback bringing back a resource switched to db since");
         }
         self.model.outcomes.retain(|o| !o.redis_refusal);
