@@ -51,10 +51,11 @@ pub(super) fn unmoved(reservation: Reservation, to: ReservationState) -> Transit
 /// The answer to a move toward `to` made: a confirm that expired the reservation is refused as
 /// expired; a release that did is done (as a release of one the sweeper expired is).
 pub(super) fn moved(reservation: Reservation, to: ReservationState) -> Transition {
-    if reservation.state == ReservationState::Expired {
-        metrics::counter!("stockd_reservations_expired_total").increment(1);
+    if reservation.state != ReservationState::Expired {
+        return Transition::Done(reservation);
     }
-    if reservation.state == ReservationState::Expired && to == ReservationState::Confirmed {
+    metrics::counter!("stockd_reservations_expired_total").increment(1);
+    if to == ReservationState::Confirmed {
         Transition::Refused(ReservationState::Expired, reservation)
     } else {
         Transition::Done(reservation)

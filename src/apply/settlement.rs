@@ -230,7 +230,7 @@ async fn settle_move<P: Port>(
             limit_key: r.lim.as_deref(),
             reverses: None,
         };
-        let how = if to == ReservationState::Confirmed { Move::Confirm } else { Move::Unreserve };
+        let (_, how) = super::reservations::move_op(to)?;
         if port.change(&Change { row: Row::Resource, how, gate: Gate::Counters, entry }).await?.is_none() {
             return Err(StorageError::Internal(format!("resource of reservation {id} holds less than reserved")));
         }
@@ -249,7 +249,7 @@ async fn settle_move<P: Port>(
 
 /// Whether leaving `held` for `state` gives the reservation's stock back.
 fn gives_back(state: ReservationState) -> bool {
-    matches!(state, ReservationState::Released | ReservationState::Expired)
+    matches!(super::reservations::move_op(state), Ok((_, Move::Unreserve)))
 }
 
 /// Whether a record may be settled in a run with others ([`settle_run`]): a deduction that

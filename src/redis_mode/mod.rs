@@ -857,8 +857,8 @@ impl RedisDrift {
 
 impl RedisMode {
     /// Moves a reservation made in Redis to `to` (`confirmed`, `released`, `expired`; past its
-    /// deadline it expires whatever was asked). Returns its state now and the reservation, or `None` when
-    /// Redis does not hold it.
+    /// deadline it expires whatever was asked). Returns its state now and the reservation, or
+    /// `None` when Redis does not hold it.
     pub async fn transition_reservation(
         &self,
         tenant: &str,

@@ -15,12 +15,12 @@ use crate::redis_support::{
     shared_redis_url, wait_settled, RedisServer, TableHold,
 };
 
-/// A sibling of `app` on the same database and Redis prefix that reads which resources are in
+/// A sibling of `app` on the same database, Redis and prefix that reads which resources are in
 /// redis mode once, at start: a process whose view of modes stays stale for the whole test.
-async fn stale_sibling(app: &TestApp, prefix: &str, extra_toml: &str) -> TestApp {
+async fn stale_sibling(app: &TestApp, redis_url: &str, prefix: &str, extra_toml: &str) -> TestApp {
     let opts = AppOptions::default()
         .env("STOCKD_REDIS_PREFIX", prefix)
-        .env("STOCKD_REDIS_URL", &shared_redis_url())
+        .env("STOCKD_REDIS_URL", redis_url)
         .toml(&format!("[redis]\nclaim_idle_ms = 500\nmode_refresh_ms = 3600000\n{extra_toml}"));
     app.spawn_sibling_with(opts).await
 }
@@ -57,7 +57,7 @@ async fn a_stale_process_neither_restocks_redis_nor_sells_from_it_after_a_switch
     let (app_a, prefix) = redis_app(&shared_redis_url(), "").await;
     let shop_a = app_a.create_tenant("shop").await;
     create_redis_resource(&shop_a, "sku-1", 100).await;
-    let app_b = stale_sibling(&app_a, &prefix, "").await;
+    let app_b = stale_sibling(&app_a, &shared_redis_url(), &prefix, "").await;
     let shop_b = app_b.tenant_with_key("shop", &shop_a.api_key);
     shop_b.order("warmup", &deduct_one("warmup", "sku-1", 1, None)).await.expect_json(201);
     wait_settled(&shop_a, "sku-1", 1).await;
@@ -96,7 +96,7 @@ async fn a_stale_process_sends_an_order_of_a_resource_that_entered_redis_mode_to
     let (app_a, prefix) = redis_app(&shared_redis_url(), "").await;
     let shop_a = app_a.create_tenant("shop").await;
     shop_a.create_resource("sku-1", 5).await;
-    let app_b = stale_sibling(&app_a, &prefix, "").await;
+    let app_b = stale_sibling(&app_a, &shared_redis_url(), &prefix, "").await;
     let shop_b = app_b.tenant_with_key("shop", &shop_a.api_key);
     shop_a.patch("/v1/resources/sku-1", &json!({"mode": "redis"})).await.expect_json(200);
 
@@ -416,11 +416,7 @@ async fn a_stale_process_neither_sells_nor_moves_reservations_in_a_redis_restore
     let (app_a, prefix) = redis_app(&server.url(), "").await;
     let shop_a = app_a.create_tenant("shop").await;
     create_redis_resource(&shop_a, "sku-1", 10).await;
-    let opts = AppOptions::default()
-        .env("STOCKD_REDIS_PREFIX", &prefix)
-        .env("STOCKD_REDIS_URL", &server.url())
-        .toml("[redis]\nclaim_idle_ms = 500\ndrain_timeout_ms = 20000\nmode_refresh_ms = 3600000");
-    let app_b = app_a.spawn_sibling_with(opts).await;
+    let app_b = stale_sibling(&app_a, &server.url(), &prefix, "").await;
     let shop_b = app_b.tenant_with_key("shop", &shop_a.api_key);
     shop_b.order("warmup", &deduct_one("warmup", "sku-1", 1, None)).await.expect_json(201);
     let doc = shop_b.order("r1", &reserve("r1", &[("sku-1", 1)], Some(3600))).await.expect_json(201);
