@@ -109,21 +109,26 @@ pub enum Deducted {
     Closed,
     /// The resource's stream holds `max_backlog` entries not yet settled: nothing written.
     Backlog,
-    /// The resource is of another kind than the plan requires: nothing written; run again with
-    /// the refusal's body ([`Bodies::not_found`]).
-    OtherKind,
+    /// A refusal decided on a call without the refusal bodies: nothing written; run again with
+    /// [`Bodies::refusals`] and [`Deduction::refusal`].
+    Refuse,
     /// The limit key's count must be read from the database first (see [`scripts::DEDUCT`]).
     Seed,
 }
 
-/// The bodies the script stores, one per possible outcome, built before it runs.
+/// The bodies the script stores, one per possible outcome. A sale's first call carries only
+/// `applied`; the refusals are built once Redis answers [`Deducted::Refuse`].
 pub struct Bodies {
     pub applied: String,
+    pub refusals: Option<Refusals>,
+}
+
+/// The bodies of the refusals the deduct script may decide.
+pub struct Refusals {
     pub insufficient: String,
     pub limit: String,
     pub inactive: String,
-    /// The refusal of a resource of another kind than the plan requires; built only once Redis
-    /// says so (empty until then).
+    /// A resource of another kind than the plan requires (answered as on the database path).
     pub not_found: String,
 }
 
@@ -141,8 +146,9 @@ pub struct Deduction<'a> {
     pub idempotency_key: &'a str,
     pub bodies: Bodies,
     pub record: SettleRecord,
-    /// The settlement record of a refusal (its status and body travel beside it).
-    pub refusal: SettleRecord,
+    /// The settlement record of a refusal (its status and body travel beside it), sent with
+    /// [`Bodies::refusals`].
+    pub refusal: Option<SettleRecord>,
     /// The limit key's count in the database and the resource's epoch then, once asked for.
     pub seed: Option<LimitSeed>,
 }
@@ -396,7 +402,15 @@ impl RedisMode {
     pub async fn deduct(&self, d: &Deduction<'_>) -> Result<Deducted, RedisModeError> {
         let (tenant, key) = (d.tenant.as_str(), d.key.as_str());
         let record = serde_json::to_string(&d.record).map_err(|e| RedisModeError::Reply(e.to_string()))?;
-        let refusal = serde_json::to_string(&d.refusal).map_err(|e| RedisModeError::Reply(e.to_string()))?;
+        let refusal = match (&d.refusal, &d.bodies.refusals) {
+            (Some(refusal), Some(_)) => {
+                serde_json::to_string(refusal).map_err(|e| RedisModeError::Reply(e.to_string()))?
+            }
+            _ => String::new(),
+        };
+        let none = "";
+        let refusals = d.bodies.refusals.as_ref();
+        let refusal_body = |pick: fn(&Refusals) -> &str| refusals.map_or(none, pick);
         let mut invocation = self.deduct.key(self.resource_key(tenant, key));
         invocation
             .key(self.limits_key(tenant, key))
@@ -408,9 +422,9 @@ impl RedisMode {
             .arg(d.request_hash)
             .arg(self.request_ttl_s)
             .arg(&d.bodies.applied)
-            .arg(&d.bodies.insufficient)
-            .arg(&d.bodies.limit)
-            .arg(&d.bodies.inactive)
+            .arg(refusal_body(|r| &r.insufficient))
+            .arg(refusal_body(|r| &r.limit))
+            .arg(refusal_body(|r| &r.inactive))
             .arg(record)
             .arg(self.channel())
             .arg(soldout::message(soldout::Mark::SoldOut, tenant, key))
@@ -428,7 +442,7 @@ impl RedisMode {
             .arg(refusal)
             .arg(self.settings.max_backlog)
             .arg(d.kind.map_or("", Kind::as_str))
-            .arg(&d.bodies.not_found);
+            .arg(refusal_body(|r| &r.not_found));
         let Some(mut conn) = self.selling_conn().await? else { return Ok(Deducted::Closed) };
         let reply: Result<(String, String, String, i64), RedisError> = invocation.invoke_async(&mut conn).await;
         let (outcome, code, body, available) = reply.inspect_err(|e| self.link.judge(e))?;
@@ -440,7 +454,9 @@ impl RedisMode {
             "closed" => Deducted::Closed,
             "backlog" => Deducted::Backlog,
             "seed" => Deducted::Seed,
-            "kind" => Deducted::OtherKind,
+            "refuse" => Deducted::Refuse,
+            // The script sends a sale's body back empty: it is the one this call sent.
+            "applied" => Deducted::Fresh { outcome, status, body: d.bodies.applied.clone(), available },
             _ => Deducted::Fresh { outcome, status, body, available },
         })
     }

@@ -2,7 +2,7 @@
 //! (or, once Redis announced the resource sold out, answered from memory after Redis is asked
 //! whether this request's key was answered before).
 
-use super::{Bodies, Deducted, Deduction, LimitSeed, RedisMode, RedisModeError, Reserve};
+use super::{Bodies, Deducted, Deduction, LimitSeed, RedisMode, RedisModeError, Refusals, Reserve};
 use crate::engine::{
     Action, LineResult, OrderDocument, Reason, Reservation, ReservationLine, ReservationState, TenantId,
 };
@@ -87,8 +87,9 @@ impl RedisMode {
             rv: None,
             c: None,
         };
-        // Only the identity travels: the status and body the script chose go beside it.
-        let refusal = SettleRecord {
+        // Only the identity travels: the status and body the script chose go beside it. Built
+        // and sent only once Redis decided a refusal (see `scripts::DEDUCT`).
+        let refusal = |record: &SettleRecord| SettleRecord {
             q: 0,
             rid: new_request_id(),
             body: String::new(),
@@ -116,15 +117,9 @@ impl RedisMode {
             kind: line.targets[0].kind,
             request_hash: &job.idempotency.request_hash,
             idempotency_key: job.idempotency.key.as_str(),
-            bodies: Bodies {
-                applied,
-                insufficient: body(LineResult::Rejected(Reason::Insufficient))?,
-                limit: body(LineResult::Rejected(Reason::LimitExceeded))?,
-                inactive: body(LineResult::Rejected(Reason::ResourceInactive))?,
-                not_found: String::new(),
-            },
+            bodies: Bodies { applied, refusals: None },
             record,
-            refusal,
+            refusal: None,
             seed: None,
         };
         let sold_out = || -> Result<Idempotent, RedisModeError> {
@@ -143,9 +138,17 @@ impl RedisMode {
                 None => return sold_out(),
             },
             None => match self.deduct_seeded(storage, &mut deduction).await? {
-                // The plan names a resource of another kind: refused as on the database path.
-                Deducted::OtherKind => {
-                    deduction.bodies.not_found = body(LineResult::Rejected(Reason::ResourceNotFound))?;
+                // A refusal: run again with every refusal's body (the state may have moved on
+                // meanwhile, so the second call can decide another outcome, a sale too).
+                Deducted::Refuse => {
+                    deduction.bodies.refusals = Some(Refusals {
+                        insufficient: body(LineResult::Rejected(Reason::Insufficient))?,
+                        limit: body(LineResult::Rejected(Reason::LimitExceeded))?,
+                        inactive: body(LineResult::Rejected(Reason::ResourceInactive))?,
+                        // The plan names a resource of another kind: as on the database path.
+                        not_found: body(LineResult::Rejected(Reason::ResourceNotFound))?,
+                    });
+                    deduction.refusal = Some(refusal(&deduction.record));
                     self.deduct_seeded(storage, &mut deduction).await?
                 }
                 answer => answer,
@@ -172,7 +175,7 @@ impl RedisMode {
             Deducted::Mismatch => Ok(Idempotent::Mismatch),
             Deducted::Cold => Err(RedisModeError::NotWarmed(target.to_string())),
             Deducted::Closed | Deducted::Seed => Err(RedisModeError::Closed),
-            Deducted::OtherKind => Err(RedisModeError::Reply("a kind refused without its body".into())),
+            Deducted::Refuse => Err(RedisModeError::Reply("a refusal without its body".into())),
             Deducted::Backlog => {
                 metrics::counter!("stockd_redis_backlog_refusals_total").increment(1);
                 Err(RedisModeError::Backlog)

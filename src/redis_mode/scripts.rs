@@ -21,15 +21,21 @@
 ///
 /// ARGV[1] qty; ARGV[2] limit key or ""; ARGV[3] limit max; ARGV[4] request hash;
 /// ARGV[5] request record TTL (s); ARGV[6] body if applied; ARGV[7] body if insufficient;
-/// ARGV[8] body if over the limit; ARGV[9] body if inactive; ARGV[10] the settlement record;
+/// ARGV[8] body if over the limit; ARGV[9] body if inactive (ARGV[7..9] and ARGV[19], ARGV[22]
+/// all "" on a first call: see `refuse` below); ARGV[10] the settlement record;
 /// ARGV[11] the sold-out channel; ARGV[12] the sold-out message; ARGV[13] "deduct" or
 /// "reserve"; reserve only: ARGV[14] reservation id, ARGV[15] deadline (Unix ms), ARGV[16] the
 /// reservation document; ARGV[17] the limit key's count in the database or "" (not read), and
 /// ARGV[18] the resource's epoch when it was read; ARGV[19] the settlement record of a refusal;
 /// ARGV[20] the most entries the resource's stream may hold unsettled (`backlog`); ARGV[21]
 /// the kind the plan requires of the resource or ""; ARGV[22] the body if the resource is of
-/// another kind, or "" (not built: answers `kind`, nothing written, and the caller runs the
-/// script again with it; a plan naming the wrong kind is a plugin's mistake, not a sale).
+/// another kind.
+///
+/// A sale's first call carries only what a sale needs: the refusal bodies and the refusal's
+/// record are "" (building and sending them cost every sale ~1.3 KB of arguments, which Redis
+/// copies into Lua strings, and four JSON documents in the process). A refusal decided without
+/// its body answers `refuse` with nothing written, and the caller runs the script again with
+/// every refusal's body and record: a refusal costs two calls, a sale one.
 ///
 /// A refusal (another kind, answered as on the database path: resource not found;
 /// insufficient, over the limit, inactive) joins the stream too, with its status and
@@ -44,8 +50,9 @@
 /// when the database path no longer sold the resource and every earlier Redis sale was
 /// settled). A flash sale on a resource created in redis mode never reads a count.
 ///
-/// Returns `{outcome, code, body, avail}`; outcome is `applied`, `insufficient`, `limit`,
-/// `inactive`, `not_found`, `kind`, `replay`, `mismatch`, `cold` (not warmed: nothing known),
+/// Returns `{outcome, code, body, avail}` (body "" when `applied`: the caller sent it); outcome
+/// is `applied`, `insufficient`, `limit`, `inactive`, `not_found`, `refuse` (a refusal without its
+/// body: nothing written), `replay`, `mismatch`, `cold` (not warmed: nothing known),
 /// `closed` (draining),
 /// `backlog` (settlement is that far behind: nothing written, a replay still answered) or
 /// `seed` (read the limit key's count from the database and run again; nothing written).
@@ -61,7 +68,6 @@ if not st[1] then return {'cold', '503', '', -1} end
 if st[2] ~= '1' then return {'closed', '503', '', -1} end
 if tonumber(st[5] or '0') >= tonumber(ARGV[20]) then return {'backlog', '503', '', -1} end
 local other_kind = ARGV[21] ~= '' and st[6] and st[6] ~= ARGV[21]
-if other_kind and ARGV[22] == '' then return {'kind', '409', '', -1} end
 local qty = tonumber(ARGV[1])
 local avail = tonumber(st[1])
 local used = 0
@@ -104,11 +110,13 @@ else
   if avail == 0 then redis.call('PUBLISH', ARGV[11], ARGV[12]) end
 end
 if outcome ~= 'applied' then
+  if body == '' or ARGV[19] == '' then return {'refuse', code, '', -1} end
   redis.call('HINCRBY', KEYS[1], 'pending', 1)
   redis.call('XADD', KEYS[4], '*', 'r', ARGV[19], 'd', 0, 'c', code, 'b', body)
 end
 redis.call('HSET', KEYS[3], 'h', ARGV[4], 'c', code, 'b', body)
 redis.call('EXPIRE', KEYS[3], ARGV[5])
+if outcome == 'applied' then return {outcome, code, '', avail} end
 return {outcome, code, body, avail}
 "#;
 

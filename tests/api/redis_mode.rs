@@ -562,6 +562,43 @@ async fn after_sold_out_further_orders_cost_no_redis_command() {
     drop(sibling);
 }
 
+/// A sale's script call carries only what a sale needs (docs/REDIS.md, "How a sale works"): no
+/// refusal body. A refusal is decided by a first call that writes nothing and a second one that
+/// carries the bodies; it is still stored, replayed byte for byte, and settled.
+#[tokio::test]
+async fn a_sale_sends_redis_no_refusal_body_and_a_refusal_is_decided_again_with_them() {
+    let redis = RedisServer::start().await;
+    let (app, _prefix) = redis_app(&redis.url(), "").await;
+    let shop = app.create_tenant("shop").await;
+    create_redis_resource(&shop, "sku-1", 6).await;
+    let mut conn = redis_conn(&redis.url()).await;
+    // The first call of the script loads it (`NOSCRIPT`, then `EVALSHA` again).
+    shop.order("k0", &deduct_one("k0", "sku-1", 1, None)).await.expect_json(201);
+
+    let monitor = Monitor::start(redis.port).await;
+    shop.order("k1", &deduct_one("k1", "sku-1", 1, None)).await.expect_json(201);
+    // Four left: six is more than Redis has, a refusal the script decides (not a sold-out mark).
+    let refused = shop.order("k2", &deduct_one("k2", "sku-1", 6, None)).await;
+    assert_eq!(reason(&refused), "insufficient");
+    let seen = monitor.stop(&mut conn).await;
+    let calls = |key: &str| -> Vec<String> {
+        let named = format!(":q:{key}\"");
+        seen.iter().filter(|l| l.to_ascii_uppercase().contains("\"EVALSHA\"") && l.contains(&named)).cloned().collect()
+    };
+    let (sale, refusal) = (calls("k1"), calls("k2"));
+    assert_eq!(sale.len(), 1, "one script call a sale: {sale:?}");
+    assert!(!sale[0].contains("rejected"), "a sale's call carries no refusal body: {}", sale[0]);
+    assert_eq!(refusal.len(), 2, "a refusal: a call without the bodies, then one with them: {refusal:?}");
+    assert!(!refusal[0].contains("rejected") && refusal[1].contains("insufficient"), "{refusal:?}");
+
+    let replayed = shop.order("k2", &deduct_one("k2", "sku-1", 6, None)).await;
+    assert_eq!((replayed.status(), &replayed.text), (409, &refused.text), "the refusal is stored");
+    let report = wait_settled(&shop, "sku-1", 2).await;
+    assert_in_line(&report, "sku-1");
+    let replayed = shop.order("k2", &deduct_one("k2", "sku-1", 6, None)).await;
+    assert_eq!((replayed.status(), &replayed.text), (409, &refused.text), "and settled");
+}
+
 /// A Redis Sentinel failover mid-sale (master, one replica, three Sentinels on loopback): the
 /// replica stops receiving (its replication link is cut) while 20 more pieces sell and settle,
 /// then the master is killed. stockd follows the promoted replica through the Sentinels; the 20
