@@ -63,7 +63,7 @@ if prev[1] then
   if prev[1] ~= ARGV[4] then return {'mismatch', '422', '', -1} end
   return {'replay', prev[2], prev[3], -1}
 end
-local st = redis.call('HMGET', KEYS[1], 'avail', 'open', 'inactive', 'seed', 'pending', 'kind')
+local st = redis.call('HMGET', KEYS[1], 'avail', 'open', 'inactive', 'seed', 'pending', 'kind', 'backlog')
 if not st[1] then return {'cold', '503', '', -1} end
 if st[2] ~= '1' then return {'closed', '503', '', -1} end
 if tonumber(st[5] or '0') >= tonumber(ARGV[20]) then return {'backlog', '503', '', -1} end
@@ -96,9 +96,10 @@ elseif avail < qty then
 else
   outcome, code, body = 'applied', '201', ARGV[6]
   avail = avail - qty
-  redis.call('HSET', KEYS[1], 'avail', avail)
-  redis.call('HINCRBY', KEYS[1], 'backlog', qty)
-  redis.call('HINCRBY', KEYS[1], 'pending', 1)
+  -- One write for the three counters (a command fewer from Lua is ~2 us of Redis a sale; the
+  -- numbers are integers below 2^53, written as integers, so HINCRBY elsewhere still applies).
+  redis.call('HSET', KEYS[1], 'avail', avail, 'backlog', tonumber(st[7] or '0') + qty,
+    'pending', tonumber(st[5] or '0') + 1)
   if ARGV[2] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[2], qty) end
   if ARGV[13] == 'reserve' then
     local id = ARGV[14]
