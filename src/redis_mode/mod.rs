@@ -109,8 +109,8 @@ pub enum Deducted {
     Closed,
     /// The resource's stream holds `max_backlog` entries not yet settled: nothing written.
     Backlog,
-    /// A refusal decided on a call without the refusal bodies: nothing written; run again with
-    /// [`Bodies::refusals`] and [`Deduction::refusal`].
+    /// A refusal decided on a call without [`Bodies::refusals`]: nothing written; run again
+    /// with them.
     Refuse,
     /// The limit key's count must be read from the database first (see [`scripts::DEDUCT`]).
     Seed,
@@ -123,13 +123,15 @@ pub struct Bodies {
     pub refusals: Option<Refusals>,
 }
 
-/// The bodies of the refusals the deduct script may decide.
+/// What the deduct script needs to store a refusal it may decide: the answers, and the
+/// settlement record (its status and body travel beside it).
 pub struct Refusals {
     pub insufficient: String,
     pub limit: String,
     pub inactive: String,
     /// A resource of another kind than the plan requires (answered as on the database path).
     pub not_found: String,
+    pub record: SettleRecord,
 }
 
 /// One deduction to run.
@@ -146,9 +148,6 @@ pub struct Deduction<'a> {
     pub idempotency_key: &'a str,
     pub bodies: Bodies,
     pub record: SettleRecord,
-    /// The settlement record of a refusal (its status and body travel beside it), sent with
-    /// [`Bodies::refusals`].
-    pub refusal: Option<SettleRecord>,
     /// The limit key's count in the database and the resource's epoch then, once asked for.
     pub seed: Option<LimitSeed>,
 }
@@ -402,15 +401,10 @@ impl RedisMode {
     pub async fn deduct(&self, d: &Deduction<'_>) -> Result<Deducted, RedisModeError> {
         let (tenant, key) = (d.tenant.as_str(), d.key.as_str());
         let record = serde_json::to_string(&d.record).map_err(|e| RedisModeError::Reply(e.to_string()))?;
-        let refusal = match (&d.refusal, &d.bodies.refusals) {
-            (Some(refusal), Some(_)) => {
-                serde_json::to_string(refusal).map_err(|e| RedisModeError::Reply(e.to_string()))?
-            }
-            _ => String::new(),
-        };
-        let none = "";
         let refusals = d.bodies.refusals.as_ref();
-        let refusal_body = |pick: fn(&Refusals) -> &str| refusals.map_or(none, pick);
+        let refusal = refusals.map(|r| serde_json::to_string(&r.record)).transpose();
+        let refusal = refusal.map_err(|e| RedisModeError::Reply(e.to_string()))?.unwrap_or_default();
+        let refusal_body = |pick: fn(&Refusals) -> &str| refusals.map_or("", pick);
         let mut invocation = self.deduct.key(self.resource_key(tenant, key));
         invocation
             .key(self.limits_key(tenant, key))

@@ -119,7 +119,6 @@ impl RedisMode {
             idempotency_key: job.idempotency.key.as_str(),
             bodies: Bodies { applied, refusals: None },
             record,
-            refusal: None,
             seed: None,
         };
         let sold_out = || -> Result<Idempotent, RedisModeError> {
@@ -147,8 +146,8 @@ impl RedisMode {
                         inactive: body(LineResult::Rejected(Reason::ResourceInactive))?,
                         // The plan names a resource of another kind: as on the database path.
                         not_found: body(LineResult::Rejected(Reason::ResourceNotFound))?,
+                        record: refusal(&deduction.record),
                     });
-                    deduction.refusal = Some(refusal(&deduction.record));
                     self.deduct_seeded(storage, &mut deduction).await?
                 }
                 answer => answer,

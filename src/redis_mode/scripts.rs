@@ -21,7 +21,7 @@
 ///
 /// ARGV[1] qty; ARGV[2] limit key or ""; ARGV[3] limit max; ARGV[4] request hash;
 /// ARGV[5] request record TTL (s); ARGV[6] body if applied; ARGV[7] body if insufficient;
-/// ARGV[8] body if over the limit; ARGV[9] body if inactive (ARGV[7..9] and ARGV[19], ARGV[22]
+/// ARGV[8] body if over the limit; ARGV[9] body if inactive (ARGV[7..9], ARGV[19] and ARGV[22]
 /// all "" on a first call: see `refuse` below); ARGV[10] the settlement record;
 /// ARGV[11] the sold-out channel; ARGV[12] the sold-out message; ARGV[13] "deduct" or
 /// "reserve"; reserve only: ARGV[14] reservation id, ARGV[15] deadline (Unix ms), ARGV[16] the
@@ -33,9 +33,9 @@
 ///
 /// A sale's first call carries only what a sale needs: the refusal bodies and the refusal's
 /// record are "" (building and sending them cost every sale ~1.3 KB of arguments, which Redis
-/// copies into Lua strings, and four JSON documents in the process). A refusal decided without
-/// its body answers `refuse` with nothing written, and the caller runs the script again with
-/// every refusal's body and record: a refusal costs two calls, a sale one.
+/// copies into Lua strings, and four JSON documents in the process). A refusal decided on a call
+/// without them (ARGV[19] "") answers `refuse` with nothing written, and the caller runs the
+/// script again with every refusal's body and record: a refusal costs two calls, a sale one.
 ///
 /// A refusal (another kind, answered as on the database path: resource not found;
 /// insufficient, over the limit, inactive) joins the stream too, with its status and
@@ -111,7 +111,7 @@ else
   if avail == 0 then redis.call('PUBLISH', ARGV[11], ARGV[12]) end
 end
 if outcome ~= 'applied' then
-  if body == '' or ARGV[19] == '' then return {'refuse', code, '', -1} end
+  if ARGV[19] == '' then return {'refuse', code, '', -1} end
   redis.call('HINCRBY', KEYS[1], 'pending', 1)
   redis.call('XADD', KEYS[4], '*', 'r', ARGV[19], 'd', 0, 'c', code, 'b', body)
 end
