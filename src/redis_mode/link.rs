@@ -78,6 +78,11 @@ pub struct Link {
     current: Mutex<Option<Conn>>,
     /// How many connections were made (the first is 1).
     generation: AtomicU64,
+    /// Held while a connection is made, so that callers who find none at once make one between
+    /// them: each connection made counts as a new generation, and a second one made beside the
+    /// first would make every mode view read meanwhile look older than the connection (a sale
+    /// answered `503`, "being warmed or switched", by a process that had just caught up).
+    connecting: tokio::sync::Mutex<()>,
     timeout: Duration,
     /// A plain client for pub/sub (one node is enough: PUBLISH reaches every node of a cluster).
     pubsub: Option<redis::Client>,
@@ -102,7 +107,14 @@ impl Link {
                 (Source::Sentinel(tokio::sync::Mutex::new(client)), None)
             }
         };
-        Ok(Self { source, current: Mutex::new(None), generation: AtomicU64::new(0), timeout, pubsub })
+        Ok(Self {
+            source,
+            current: Mutex::new(None),
+            generation: AtomicU64::new(0),
+            connecting: tokio::sync::Mutex::new(()),
+            timeout,
+            pubsub,
+        })
     }
 
     fn config(&self) -> AsyncConnectionConfig {
@@ -111,6 +123,11 @@ impl Link {
 
     /// The current connection, connecting first if there is none.
     pub async fn conn(&self) -> RedisResult<Conn> {
+        if let Some(conn) = self.current.lock().ok().and_then(|c| c.clone()) {
+            return Ok(conn);
+        }
+        let _one = self.connecting.lock().await;
+        // Another caller may have connected while this one waited.
         if let Some(conn) = self.current.lock().ok().and_then(|c| c.clone()) {
             return Ok(conn);
         }
