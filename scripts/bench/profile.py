@@ -95,9 +95,8 @@ def parts_of(data):
         if len(lines) < 2:
             continue
         total += 1
-        text = "\n".join(lines)
         for part, needles in PARTS:
-            if any(n in text for n in needles):
+            if any(n in sample for n in needles):
                 counts[part] += 1
                 break
         else:

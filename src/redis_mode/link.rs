@@ -121,14 +121,19 @@ impl Link {
         AsyncConnectionConfig::new().set_connection_timeout(Some(self.timeout)).set_response_timeout(Some(self.timeout))
     }
 
+    /// The connection made last, unless it was forgotten as broken.
+    fn current(&self) -> Option<Conn> {
+        self.current.lock().ok().and_then(|c| c.clone())
+    }
+
     /// The current connection, connecting first if there is none.
     pub async fn conn(&self) -> RedisResult<Conn> {
-        if let Some(conn) = self.current.lock().ok().and_then(|c| c.clone()) {
+        if let Some(conn) = self.current() {
             return Ok(conn);
         }
         let _one = self.connecting.lock().await;
         // Another caller may have connected while this one waited.
-        if let Some(conn) = self.current.lock().ok().and_then(|c| c.clone()) {
+        if let Some(conn) = self.current() {
             return Ok(conn);
         }
         let conn = match &self.source {
